@@ -1,0 +1,221 @@
+"""The engine: propose -> verify -> commit -> roll back, and the plain reference it must match.
+
+One step, per row of the batch: the draft proposes up to K tokens; the target scores the
+last committed token plus all drafts in one forward (K+1 rows of logits); verification
+keeps the longest acceptable prefix and adds one target token (recovered or bonus); both
+sides roll back to the committed prefix. Rows keep their own lengths throughout, so one
+row's rejection never costs another row its accepted tokens, and rows that finish leave
+the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .config import SpeculativeConfig
+from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
+from .proposers.base import Proposal
+from .proposers.draft_model import DraftModelProposer, pad
+from .sampling import make_generators, probabilities, sample
+from .stats import DecodeStats
+from .verify import greedy_verify, rejection_verify
+
+
+def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) -> list[int | None]:
+    """Seed of each row: given per row, else config.seed + row index, else fresh randomness."""
+    if seeds is not None:
+        if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+            raise ValueError(f"seeds must be a list of {batch} integers (one per prompt), got {seeds!r}")
+        return list(seeds)
+    if config.seed is None:
+        return [None] * batch
+    return [config.seed + row for row in range(batch)]
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """A second stream per row for the draft, so drafting never shifts the target's draws."""
+    return None if seed is None else (seed * 0x9E3779B1 + 0x5EED) % (2 ** 63)
+
+
+def prefill(model, prompts: list[list[int]], capacity: int):
+    """A fresh state that has seen every prompt but its last token (fed with the first step)."""
+    state = model.new_state(len(prompts), capacity)
+    heads = [p[:-1] for p in prompts]
+    if max(map(len, heads)) > 0:
+        model.forward(pad(heads, model.device), state, [len(h) for h in heads])
+    return state
+
+
+def cut(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Tokens that fit the row's budget, up to and including EOS; and whether the row is done."""
+    tokens = tokens[:budget]
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:i + 1], True
+    return tokens, len(tokens) == budget
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of `main_model` (the target) with `draft_model` proposing.
+
+    `draft_model` is a model following `speculative.models.base` or a proposer such as
+    `NGramProposer`. Greedy verification reproduces the target's greedy output exactly;
+    sampling verification reproduces its distribution exactly.
+    """
+
+    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None):
+        self.config = config or SpeculativeConfig()
+        self.main_model = main_model
+        self.draft_model = draft_model
+        if hasattr(draft_model, "propose"):
+            self.proposer = draft_model
+        else:
+            sampling = self.config.sampling
+            self.proposer = DraftModelProposer(
+                draft_model, self.config.draft_temperature if sampling else 0.0,
+                self.config.top_k, self.config.top_p, sampling)
+        draft_vocab = getattr(self.proposer, "vocab_size", None)
+        if draft_vocab is not None and draft_vocab != main_model.vocab_size:
+            raise ValueError(f"draft and target vocabularies differ: draft has {draft_vocab} tokens, target "
+                             f"has {main_model.vocab_size}; both sides must share one vocabulary")
+        self.stats = DecodeStats()
+
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted over everything generated since the last reset_stats()."""
+        return self.stats.acceptance_rate
+
+    def reset_stats(self) -> None:
+        self.stats = DecodeStats()
+
+    def generate(self, prompt_ids, max_new_tokens, eos_token_id=None, seeds: list[int] | None = None):
+        """New tokens only: a list of ids for one prompt, a list of lists for a batch."""
+        prompts, batched = normalize_prompts(prompt_ids)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for row, tokens in self._run(prompts, max_new_tokens, eos_token_id, seeds):
+            outputs[row].extend(tokens)
+        return outputs if batched else outputs[0]
+
+    def stream(self, prompt_ids, max_new_tokens, eos_token_id=None, seeds: list[int] | None = None) -> Iterator:
+        """Yield tokens as they are committed: ids for one prompt, (row, id) pairs for a batch."""
+        prompts, batched = normalize_prompts(prompt_ids)
+        for row, tokens in self._run(prompts, max_new_tokens, eos_token_id, seeds):
+            for token in tokens:
+                yield (row, token) if batched else token
+
+    def _run(self, prompts: list[list[int]], max_new_tokens, eos_token_id, seeds) -> Iterator[tuple[int, list[int]]]:
+        cfg, target, proposer, stats = self.config, self.main_model, self.proposer, self.stats
+        batch = len(prompts)
+        budgets = normalize_max_new(max_new_tokens, batch)
+        check_token_range(prompts, target.vocab_size)
+        eos = check_eos(eos_token_id, target.vocab_size)
+        check_length(prompts, budgets, target, "target")
+        if getattr(proposer, "model", None) is not None:
+            check_length(prompts, budgets, proposer.model, "draft")
+        seeds = row_seeds(cfg, batch, seeds)
+        target_gens = make_generators(seeds, target.device)
+        draft_gens = make_generators([draft_seed(s) for s in seeds], target.device)
+        capacity = max(len(p) + m for p, m in zip(prompts, budgets)) + cfg.num_draft_tokens + 1
+
+        started = time.perf_counter()
+        with torch.inference_mode():
+            state = prefill(target, prompts, capacity)
+            proposer.start(prompts, capacity, draft_gens)
+        sequences = [list(p) for p in prompts]
+        produced = [0] * batch
+        active = list(range(batch))
+        stats.prefill_seconds += time.perf_counter() - started
+        stats.total_seconds += time.perf_counter() - started
+        events = []
+        while True:
+            started = time.perf_counter()
+            done = [r for r in active if produced[r] >= budgets[r]]
+            if done:
+                keep = [i for i, r in enumerate(active) if r not in done]
+                active = [active[i] for i in keep]
+                if active:
+                    target.select_rows(state, keep)
+                    proposer.select_rows(keep)
+                    target_gens = [target_gens[i] for i in keep]
+            if not active:
+                stats.total_seconds += time.perf_counter() - started
+                return
+            rows = [sequences[r] for r in active]
+            remaining = [budgets[r] - produced[r] for r in active]
+            k = min(cfg.num_draft_tokens, max(remaining) - 1)
+            with torch.inference_mode():
+                proposal = self._propose(rows, k)
+                step_started = time.perf_counter()
+                last = torch.tensor([[row[-1]] for row in rows], device=target.device)
+                logits = target.forward(torch.cat([last, proposal.tokens], 1), state)  # (B, k+1, V)
+                if cfg.sampling:
+                    p = probabilities(logits, cfg.main_temperature, cfg.top_k, cfg.top_p)
+                    accepted, extra = rejection_verify(proposal.tokens, proposal.lengths, proposal.probs, p,
+                                                       target_gens)
+                else:
+                    accepted, extra = greedy_verify(proposal.tokens, proposal.lengths, logits)
+                accepted, extra = accepted.tolist(), extra.tolist()
+                drafts, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
+                stats.verify_seconds += time.perf_counter() - step_started
+                stats.target_forwards += 1
+                stats.record_step(lengths, accepted)
+                events = []
+                for i, r in enumerate(active):
+                    new, finished = cut(drafts[i][:accepted[i]] + [extra[i]], remaining[i], eos)
+                    sequences[r] += new
+                    produced[r] = budgets[r] if finished else produced[r] + len(new)
+                    stats.generated += len(new)
+                    events.append((r, new))
+                target.rollback(state, [len(sequences[r]) - 1 for r in active])
+                if k > 0:
+                    proposer.commit(accepted)
+            stats.total_seconds += time.perf_counter() - started
+            yield from events
+
+    def _propose(self, rows: list[list[int]], k: int) -> Proposal:
+        device = self.main_model.device
+        if k <= 0:
+            empty = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
+            return Proposal(empty, torch.zeros(len(rows), dtype=torch.long, device=device))
+        started = time.perf_counter()
+        proposal = self.proposer.propose(rows, k)
+        self.stats.draft_seconds += time.perf_counter() - started
+        return proposal
+
+
+def autoregressive_generate(model, prompt_ids, max_new_tokens, config: SpeculativeConfig | None = None,
+                            eos_token_id=None, seeds: list[int] | None = None):
+    """The plain reference: one target forward per token, same model code, no drafting.
+
+    Greedy unless `config.greedy_verification` is False and `config.main_temperature` > 0,
+    in which case it samples with main_temperature / top_k / top_p, row b from its own
+    generator (seeded like the speculative decoder's target stream).
+    """
+    config = config or SpeculativeConfig()
+    prompts, batched = normalize_prompts(prompt_ids)
+    batch = len(prompts)
+    budgets = normalize_max_new(max_new_tokens, batch)
+    check_token_range(prompts, model.vocab_size)
+    eos = check_eos(eos_token_id, model.vocab_size)
+    check_length(prompts, budgets, model, "target")
+    generators = make_generators(row_seeds(config, batch, seeds), model.device)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finished = [b == 0 for b in budgets]
+    with torch.inference_mode():
+        state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
+        last = [p[-1] for p in prompts]
+        while not all(finished):
+            logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
+            if config.sampling:
+                tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
+                                generators).tolist()
+            else:
+                tokens = logits.argmax(-1).tolist()
+            for row, token in enumerate(tokens):
+                if not finished[row]:
+                    outputs[row].append(token)
+                    finished[row] = token in eos or len(outputs[row]) == budgets[row]
+            last = tokens
+    return outputs if batched else outputs[0]

@@ -1,0 +1,111 @@
+"""Built-in models, `build_pair` (the Edifice design), and safetensors save/load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .base import LanguageModel
+from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
+from .s4d import S4DConfig, S4DLM
+
+MODEL_TYPES = {"decoder_only": (DecoderOnlyConfig, DecoderOnlyLM), "s4d": (S4DConfig, S4DLM)}
+DEFAULT_DRAFT_OPTS = {"hidden_size": 128, "num_layers": 2}
+DEFAULT_VERIFIER_OPTS = {"hidden_size": 512, "num_layers": 8}
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def build_model(model_type: str, vocab_size: int, opts: dict | None = None, seed: int | None = None):
+    """One built-in model with the given options; unknown types or options raise ValueError."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unknown model type {model_type!r}; allowed: {', '.join(MODEL_TYPES)}")
+    config_cls, model_cls = MODEL_TYPES[model_type]
+    opts = dict(opts or {})
+    allowed = [f.name for f in dataclasses.fields(config_cls) if f.name != "vocab_size"]
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {model_type} option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    cfg = config_cls(vocab_size=vocab_size, **opts)
+    if seed is None:
+        model = model_cls(cfg)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(cfg)
+    return model.eval().requires_grad_(False)
+
+
+def build_pair(vocab_size: int, embed_dim: int | None = None, draft_model_type: str = "decoder_only",
+               draft_model_opts: dict | None = None, verifier_model_type: str = "decoder_only",
+               verifier_model_opts: dict | None = None, seed: int | None = None):
+    """(draft, verifier): two causal LMs over the same vocabulary.
+
+    `embed_dim`, as in the Edifice design, is the draft's width when draft_model_opts do
+    not set hidden_size. Defaults: draft 128 wide / 2 layers, verifier 512 wide / 8 layers.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    draft_opts = {**DEFAULT_DRAFT_OPTS, **(draft_model_opts or {})}
+    if embed_dim is not None and "hidden_size" not in (draft_model_opts or {}):
+        draft_opts["hidden_size"] = embed_dim
+    verifier_opts = {**DEFAULT_VERIFIER_OPTS, **(verifier_model_opts or {})}
+    draft = build_model(draft_model_type, vocab_size, draft_opts, None if seed is None else seed)
+    verifier = build_model(verifier_model_type, vocab_size, verifier_opts, None if seed is None else seed + 1)
+    return draft, verifier
+
+
+def output_size(opts: dict | None = None) -> int:
+    """The verifier's hidden size for these verifier options (the Edifice design)."""
+    return int({**DEFAULT_VERIFIER_OPTS, **(opts or {})}["hidden_size"])
+
+
+def save_model(model, directory) -> Path:
+    """Write a built-in model as model.safetensors plus config.json (no pickle)."""
+    from safetensors.torch import save_file
+
+    if getattr(model, "model_type", None) not in MODEL_TYPES:
+        raise ValueError(f"save_model saves built-in models ({', '.join(MODEL_TYPES)}), got {type(model).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
+               if not (model.cfg.tie_embeddings and name == "lm_head.weight")}
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    config = {"model_type": model.model_type, "dtype": dtype, **model.options()}
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def load_builtin(directory, device="cpu", dtype: torch.dtype | None = torch.float32):
+    """Read a directory written by `save_model`; weights are cast to `dtype` (float32 by default)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; a built-in model directory holds "
+                                    f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+    config = json.loads(config_path.read_text())
+    model_type = config.pop("model_type", None)
+    config.pop("dtype", None)
+    model = build_model(model_type, config.pop("vocab_size"), config)
+    tensors = load_file(str(weights_path))
+    if model.cfg.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    expected = model.state_dict()
+    problems = sorted(set(expected) ^ set(tensors))
+    problems += [f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+                 if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        raise ValueError(f"{weights_path} does not match {config_path}: {'; '.join(problems[:5])}")
+    model.load_state_dict(tensors)
+    return model.to(device=device, dtype=dtype)
+
+
+__all__ = ["LanguageModel", "DecoderOnlyConfig", "DecoderOnlyLM", "S4DConfig", "S4DLM", "MODEL_TYPES",
+           "build_model", "build_pair", "output_size", "save_model", "load_builtin"]

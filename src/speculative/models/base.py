@@ -1,0 +1,65 @@
+"""The model protocol: what any causal language model provides to serve as target or draft.
+
+A model owns weights only. Everything that changes during generation lives in a state
+object made by `new_state`, so one loaded model can serve several generations at once.
+Every tensor has a batch dimension B, and every row has its own length: after a
+speculative step rows keep different numbers of tokens (ragged acceptance).
+
+The engine uses four operations:
+
+- `new_state(batch_size, capacity)`: an empty state for B rows of at most `capacity`
+  tokens each (capacity bounds the tokens ever fed, including rejected drafts).
+- `forward(tokens, state, num_valid=None)`: tokens (B, T) are appended to each row;
+  returns logits (B, T, V). With `num_valid`, row b only keeps its first num_valid[b]
+  tokens (its other tokens are padding whose logits are garbage); this is how rows of
+  different lengths share one call.
+- `rollback(state, lengths)`: truncate row b to its first lengths[b] tokens. A model may
+  only guarantee rollback over the short forwards (a speculative step's worth of tokens)
+  made since its previous rollback: a recurrent model keeps the states it passed through
+  until then. The engine never needs more: it only ever rolls back drafted tokens.
+- `select_rows(state, rows)`: keep only the given rows, in that order (finished
+  sequences leave the batch and stop costing compute).
+
+Plus the attributes `vocab_size`, `max_seq_len` (None when unbounded) and `device`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    vocab_size: int
+    max_seq_len: int | None
+    device: torch.device
+
+    def new_state(self, batch_size: int, capacity: int) -> Any: ...
+
+    def forward(self, tokens: torch.Tensor, state: Any, num_valid: list[int] | None = None) -> torch.Tensor: ...
+
+    def rollback(self, state: Any, lengths: list[int]) -> None: ...
+
+    def select_rows(self, state: Any, rows: list[int]) -> None: ...
+
+
+def check_lengths(lengths: list[int], current: list[int], lowest: list[int] | None = None) -> None:
+    """Reject a rollback that would grow a row or reach before what the model kept."""
+    if len(lengths) != len(current):
+        raise ValueError(f"rollback got {len(lengths)} lengths for a batch of {len(current)} rows")
+    for row, (new, old) in enumerate(zip(lengths, current)):
+        low = 0 if lowest is None else lowest[row]
+        if not low <= new <= old:
+            raise ValueError(f"row {row}: cannot roll back to length {new}; allowed {low}..{old}")
+
+
+def valid_counts(num_valid: list[int] | None, batch: int, width: int) -> list[int]:
+    """num_valid as a list, checked against the (B, T) input it describes."""
+    if num_valid is None:
+        return [width] * batch
+    num_valid = [int(n) for n in num_valid]
+    if len(num_valid) != batch or any(not 0 <= n <= width for n in num_valid):
+        raise ValueError(f"num_valid must hold {batch} counts in 0..{width}, got {num_valid}")
+    return num_valid

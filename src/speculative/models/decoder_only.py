@@ -1,0 +1,241 @@
+"""A Llama-style decoder-only transformer with a preallocated, position-indexed KV cache.
+
+The block is Llama's (RMSNorm, rotary positions, SwiGLU MLP, no biases) and the
+parameter names are Llama's, so the weights export to transformers' Llama format as they
+are. The cache (gpt-fast style) is indexed by position, one length per row: rolling back
+is moving the length; entries past it are masked and later overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import check_lengths, valid_counts
+
+
+@dataclass
+class DecoderOnlyConfig:
+    vocab_size: int
+    # Width of the residual stream.
+    hidden_size: int = 512
+    # Number of transformer blocks.
+    num_layers: int = 8
+    # Attention heads; hidden_size must be a multiple of it.
+    num_heads: int = 8
+    # Key/value heads (grouped-query attention); None = num_heads.
+    num_kv_heads: int | None = None
+    # Width of the SwiGLU MLP; None = about 8/3 of hidden_size, rounded up to 32.
+    intermediate_size: int | None = None
+    # Longest sequence (prompt + generated tokens) the model accepts.
+    max_seq_len: int = 2048
+    # Base of the rotary position frequencies.
+    rope_theta: float = 10000.0
+    # Epsilon of RMSNorm.
+    rms_norm_eps: float = 1e-5
+    # Share the input embedding with the output projection.
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"decoder_only option {name} must be an integer >= 1, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"decoder_only hidden_size ({self.hidden_size}) must be a multiple of "
+                             f"num_heads ({self.num_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("decoder_only head size (hidden_size / num_heads) must be even for rotary "
+                             f"positions, got {self.hidden_size // self.num_heads}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"decoder_only num_kv_heads ({self.num_kv_heads}) must divide num_heads "
+                             f"({self.num_heads})")
+        if self.intermediate_size is None:
+            self.intermediate_size = -(-8 * self.hidden_size // 3 // 32) * 32
+        if self.intermediate_size < 1:
+            raise ValueError(f"decoder_only intermediate_size must be >= 1, got {self.intermediate_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class KVState:
+    """Per-generation cache: keys and values per layer (B, H_kv, capacity, D), one length per row."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys = keys
+        self.values = values
+        self.lengths = [0] * keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderOnlyConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, write, cache_k, cache_v, keys, mask):
+        batch, width, _ = x.shape
+        q = self.q_proj(x).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write(cache_k, k)
+        write(cache_v, v)
+        out = F.scaled_dot_product_attention(
+            q, cache_k[:, :, :keys], cache_v[:, :, :keys], attn_mask=mask,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderOnlyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderOnlyConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, write, cache_k, cache_v, keys, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write, cache_k, cache_v, keys, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderOnlyLM(nn.Module):
+    """Causal LM implementing the model protocol of `speculative.models.base`."""
+
+    model_type = "decoder_only"
+
+    def __init__(self, cfg: DecoderOnlyConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)  # small, so blocks shape the output
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- protocol attributes -------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.max_seq_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def options(self) -> dict:
+        """The JSON-able options that rebuild this model (saved beside the weights)."""
+        return asdict(self.cfg)
+
+    # --- state ---------------------------------------------------------------------------
+    def new_state(self, batch_size: int, capacity: int) -> KVState:
+        cfg, weight = self.cfg, self.embed_tokens.weight
+        shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
+        return KVState([torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers],
+                       [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers])
+
+    def rollback(self, state: KVState, lengths: list[int]) -> None:
+        check_lengths(lengths, state.lengths)
+        state.lengths = list(lengths)
+
+    def select_rows(self, state: KVState, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=self.device)
+        state.keys = [k.index_select(0, index) for k in state.keys]
+        state.values = [v.index_select(0, index) for v in state.values]
+        state.lengths = [state.lengths[r] for r in rows]
+
+    # --- forward -------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, T, D) for positions (B, T); the table grows on demand."""
+        needed = int(positions.max()) + 1
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < needed \
+                or self._rope_cache[0].device != positions.device:
+            size = max(needed, self.cfg.max_seq_len)
+            dim = self.cfg.head_dim
+            inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
+            freqs = torch.outer(torch.arange(size, device=positions.device).float(), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = (emb.cos(), emb.sin())
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = (table[positions].to(dtype).unsqueeze(1) for table in self._rope_cache)
+        return cos, sin
+
+    def forward(self, tokens: torch.Tensor, state: KVState, num_valid: list[int] | None = None) -> torch.Tensor:
+        """Append tokens (B, T) to every row; returns logits (B, T, V)."""
+        batch, width = tokens.shape
+        counts = valid_counts(num_valid, batch, width)
+        starts = state.lengths
+        keys = max(starts) + width
+        if keys > state.capacity:
+            raise ValueError(f"KV cache holds {state.capacity} positions; this forward needs {keys}")
+        device = tokens.device
+        start_t = torch.tensor(starts, device=device)
+        positions = start_t[:, None] + torch.arange(width, device=device)  # (B, T)
+        cos, sin = self._rope(positions)
+        if min(starts) == max(starts):
+            first = starts[0]
+
+            def write(cache, new):
+                cache[:, :, first:first + width] = new
+        else:
+            rows = torch.arange(batch, device=device)[:, None]
+
+            def write(cache, new):
+                cache[rows, :, positions] = new.transpose(1, 2)
+        # A query at position t sees keys at positions <= t (stale entries lie beyond).
+        mask = (torch.arange(keys, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        x = self.embed_tokens(tokens)
+        for layer, cache_k, cache_v in zip(self.layers, state.keys, state.values):
+            x = layer(x, cos, sin, write, cache_k, cache_v, keys, mask)
+        state.lengths = [s + c for s, c in zip(starts, counts)]
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,6 @@
+"""Draft sources: a draft model, n-gram lookup in the prompt and output."""
+
+from .base import Proposal, Proposer
+from .draft_model import DraftModelProposer
+
+__all__ = ["Proposal", "Proposer", "DraftModelProposer"]

@@ -1,0 +1,36 @@
+"""The proposer interface: whatever drafts tokens for the target to verify.
+
+Two calls per step, as in transformers' candidate generators: `propose` drafts up to k
+tokens per row from the committed sequences, `commit` learns how many the target kept so
+the proposer can roll back. `start` prepares a batch and `select_rows` drops finished rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Proposal:
+    # Drafted tokens (B, K), padded past each row's length.
+    tokens: torch.Tensor
+    # Drafted tokens per row (B,) on the tokens' device; rows may draft fewer than K.
+    lengths: torch.Tensor
+    # The draft distributions q (B, K, V) the tokens were sampled from; None when the
+    # tokens are deterministic (greedy draft, n-gram lookup): q is then one-hot.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    vocab_size: int | None
+
+    def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None: ...
+
+    def propose(self, sequences: list[list[int]], k: int) -> Proposal: ...
+
+    def commit(self, accepted: list[int]) -> None: ...
+
+    def select_rows(self, rows: list[int]) -> None: ...

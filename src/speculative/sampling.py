@@ -1,0 +1,66 @@
+"""Logits to probabilities (temperature, top-k, top-p) and sampling with explicit generators.
+
+The same function shapes the target's p and the draft's q, so that the acceptance ratio
+p/q compares the two distributions that are actually sampled from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """Turn logits (..., V) into a distribution (..., V) in float32.
+
+    Temperature 0 gives a one-hot distribution on the argmax, so greedy drafting and
+    greedy targets go through the same rejection rule as sampled ones.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row of probs (B, V), row b from generators[b]: (B,) long.
+
+    Inverse-CDF sampling with one uniform per row: one generator per row keeps each row's
+    draws independent of the rest of the batch, and a single vectorized search serves all.
+    """
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    u = uniform(probs.shape[0], 1, generators, probs.device).double() * cdf[:, -1:]  # (B, 1)
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    # Rounding can push u past the last cdf step: fall back to the last token with mass.
+    last_with_mass = (probs > 0).long().cumsum(-1).argmax(-1)
+    return torch.minimum(tokens, last_with_mass)
+
+
+def uniform(batch: int, width: int, generators: list[torch.Generator], device) -> torch.Tensor:
+    """(B, width) uniforms in [0, 1), row b drawn from generators[b]."""
+    return torch.stack([torch.rand(width, generator=gen, device=device) for gen in generators[:batch]])
+
+
+def make_generators(seeds: list[int | None], device) -> list[torch.Generator]:
+    """One generator per row; a None seed draws a fresh one from the OS."""
+    gens = []
+    for seed in seeds:
+        gen = torch.Generator(device=device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        gens.append(gen)
+    return gens

@@ -1,0 +1,66 @@
+"""Counters and timings of speculative decoding, the figures every report is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    # Tokens proposed by the draft.
+    drafted: int = 0
+    # Drafted tokens the target kept.
+    accepted: int = 0
+    # Target forward passes after the prompt (each scores K+1 positions at once).
+    target_forwards: int = 0
+    # Tokens emitted (accepted + recovered + bonus), after EOS / max_new_tokens truncation.
+    generated: int = 0
+    # Per drafted position i (0-based): how often a token was drafted there / kept there.
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    # Wall-clock seconds: prompt processing, drafting, target forward + verification, total.
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """tau = tokens emitted per target forward (counts the recovered / bonus token)."""
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def other_seconds(self) -> float:
+        """Engine time outside drafting and verification (bookkeeping, commits, rollbacks)."""
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.total_seconds if self.total_seconds else 0.0
+
+    def record_step(self, drafted: list[int], accepted: list[int]) -> None:
+        """Count one verification step: per row, how many were drafted and kept."""
+        width = max(drafted, default=0)
+        if len(self.drafted_at) < width:
+            grow = width - len(self.drafted_at)
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for n, a in zip(drafted, accepted):
+            self.drafted += n
+            self.accepted += a
+            for i in range(n):
+                self.drafted_at[i] += 1
+            for i in range(a):
+                self.accepted_at[i] += 1
+
+    def summary(self) -> dict:
+        """A flat JSON-able view, properties included."""
+        out = {k: v for k, v in self.__dict__.items()}
+        out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward,
+                   other_seconds=self.other_seconds, tokens_per_second=self.tokens_per_second)
+        return out
