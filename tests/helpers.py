@@ -59,7 +59,7 @@ class TableModel:
         state.tokens = [[] for _ in range(batch_size)]
         return state
 
-    def forward(self, tokens, state, num_valid=None):
+    def forward(self, tokens, state, num_valid=None, keep_logits=True):
         counts = num_valid or [tokens.shape[1]] * tokens.shape[0]
         for row, (seq, n) in enumerate(zip(tokens.tolist(), counts)):
             state.tokens[row] = state.tokens[row][:state.lengths[row]] + seq[:n]

@@ -87,9 +87,9 @@ class CountingModel:
     def new_state(self, *args):
         return self.model.new_state(*args)
 
-    def forward(self, tokens, state, num_valid=None):
+    def forward(self, tokens, state, num_valid=None, keep_logits=True):
         self.widths.append(tokens.shape[1])
-        return self.model.forward(tokens, state, num_valid)
+        return self.model.forward(tokens, state, num_valid, keep_logits)
 
     def rollback(self, state, lengths):
         self.model.rollback(state, lengths)

@@ -4,20 +4,14 @@ from .config import SpeculativeConfig
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .models import build_model, build_pair, output_size, save_model
 from .models.base import LanguageModel
-from .proposers import DraftModelProposer, Proposal, Proposer
+from .proposers import DraftModelProposer, NGramProposer, Proposal, Proposer
 from .stats import DecodeStats
 from .verify import accept_reject, greedy_verify, rejection_verify
 
 __version__ = "0.1.0"
-
-
-def load_model(path, device="cpu"):
-    """Load a model saved by `save_model` (safetensors + config.json)."""
-    from .models import load_builtin
-
-    return load_builtin(path, device=device)
+from .loading import load_model, load_tokenizer
 
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder", "autoregressive_generate", "build_model", "build_pair",
-           "output_size", "save_model", "load_model", "LanguageModel", "DraftModelProposer", "Proposal",
+           "output_size", "save_model", "load_model", "load_tokenizer", "LanguageModel", "DraftModelProposer", "NGramProposer", "Proposal",
            "Proposer", "DecodeStats", "accept_reject", "greedy_verify", "rejection_verify"]

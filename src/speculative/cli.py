@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255: text in and out for models without a tokenizer."""
-
-    vocab_size = 256
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+DEFAULT_PROMPT = '''def read_lines(path):
+    """Return the lines of a text file, without their line endings."""
+'''
 
 
 def stats_line(stats, seconds: float) -> str:
@@ -27,19 +20,37 @@ def stats_line(stats, seconds: float) -> str:
             f"{stats.acceptance_rate:.2f} | {stats.tokens_per_forward:.2f} tokens per target forward]")
 
 
+def make_draft(name: str | None, target_name: str, device: str, args):
+    """The draft named on the command line: a path, a preset, 's4d', or 'ngram'."""
+    from . import NGramProposer, load_model
+    from .loading import PARTNERS
+
+    name = name or PARTNERS.get(target_name, "ngram")
+    if name == "ngram":
+        return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
+                             num_draft_tokens=args.num_draft_tokens)
+    if name == "s4d":
+        name = "default-s4d"
+    return load_model(name, device=device)
+
+
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a continuation of a prompt with speculative decoding",
                        description="Generate text with speculative decoding. Greedy output (the default, "
                                    "--temperature 0) is token-identical to the target alone; sampled output "
-                                   "follows the target's distribution exactly.")
-    p.add_argument("--target", default="random", help="target model: a local directory or a preset "
-                   "(default: %(default)s, a freshly built pair with random weights)")
-    p.add_argument("--draft", default=None, help="draft: a local directory, a preset, or 'ngram' "
-                   "(default: the target's built-in partner)")
+                                   "follows the target's distribution exactly. With no arguments, the shipped "
+                                   "pair (a 16M-parameter Python model and its 1M-parameter draft) completes "
+                                   "a Python function.")
+    p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
+                   "preset: default, gemma-3-270m (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
+                   "draft), or 'ngram' (prompt lookup, no draft model). Default: the shipped draft for the "
+                   "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--prompt", help="prompt text")
+    group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
     group.add_argument("--prompt-file", help="file whose text is the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per step "
                    "(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="target temperature; 0 = greedy "
@@ -50,43 +61,104 @@ def add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens "
                    "whose probability reaches p")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: fresh randomness)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up by --draft ngram "
+                   "(default: %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram looked up (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args) -> int:
-    import torch
+    from . import SpeculativeConfig, SpeculativeDecoder, load_model, load_tokenizer
 
-    from . import SpeculativeConfig, SpeculativeDecoder, build_pair
-
-    if args.target != "random":
-        raise SystemExit(f"error: unknown target {args.target!r}; this build knows the preset 'random'")
-    print("note: 'random' is a freshly built draft/verifier pair with random weights; its text is noise.",
-          file=sys.stderr)
-    tokenizer = ByteTokenizer()
-    draft, target = build_pair(tokenizer.vocab_size, seed=0, verifier_model_opts={"max_seq_len": 4096})
-    draft, target = draft.to(args.device), target.to(args.device)
-    text = args.prompt if args.prompt is not None else (
-        open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else "def fibonacci(n):")
-    ids = tokenizer.encode(text)
+    target = load_model(args.target, device=args.device)
+    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
+    draft = make_draft(args.draft, args.target, args.device, args)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    ids = tokenizer.chat(text) if args.chat else tokenizer.encode(text)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed)
     decoder = SpeculativeDecoder(target, draft, config)
+    eos = tokenizer.eos_token_ids or None
     started = time.perf_counter()
     if args.stream:
         out: list[int] = []
-        for token in decoder.stream(ids, args.max_new_tokens, tokenizer.eos_token_id):
+        shown = ""
+        sys.stdout.write(text)
+        for token in decoder.stream(ids, args.max_new_tokens, eos):
             out.append(token)
-            sys.stdout.write(tokenizer.decode([token]))
-            sys.stdout.flush()
+            now = tokenizer.decode(out)
+            if not now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(now[len(shown):])
+                sys.stdout.flush()
+                shown = now
         print()
     else:
-        out = decoder.generate(ids, args.max_new_tokens, tokenizer.eos_token_id)
+        out = decoder.generate(ids, args.max_new_tokens, eos)
         print(text + tokenizer.decode(out))
     print(stats_line(decoder.stats, time.perf_counter() - started))
+    return 0
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train the default tokenizer, verifier and drafts from scratch",
+                       description="Train the shipped default pair from the Python standard library of this "
+                                   "interpreter: a byte-level BPE, a decoder_only verifier, a decoder_only draft "
+                                   "and an s4d draft distilled from it, and a report of held-out perplexity and "
+                                   "greedy acceptance. Phases share --max-minutes; each is checkpointed.")
+    p.add_argument("--out", default="runs/train", help="output directory (default: %(default)s)")
+    p.add_argument("--max-minutes", type=float, default=90.0, help="time budget (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=512, help="training window and model length (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step (default: %(default)s)")
+    p.add_argument("--verifier-size", default="384x8x6", help="verifier hidden x layers x heads "
+                   "(default: %(default)s)")
+    p.add_argument("--draft-size", default="128x2x2", help="draft hidden x layers x heads (default: %(default)s)")
+    p.add_argument("--s4d-size", default="128x2x32", help="s4d draft hidden x layers x state (default: %(default)s)")
+    p.add_argument("--max-files", type=int, default=None, help="use only this many stdlib files (quick runs)")
+    p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts in the report (default: %(default)s)")
+    p.add_argument("--ship", action="store_true", help="copy the result into the package as the new default")
+    p.set_defaults(run=run_train)
+
+
+def parse_size(text: str, names: tuple[str, str, str]) -> dict:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"size {text!r} must look like {'x'.join(n.upper() for n in names)} with positive integers")
+    return dict(zip(names, map(int, parts)))
+
+
+def run_train(args) -> int:
+    import shutil
+
+    from .loading import ASSETS
+    from .train.pipeline import TrainOptions, run_training
+
+    opts = TrainOptions(out=Path(args.out), max_minutes=args.max_minutes, resume=args.resume,
+                        vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
+                        verifier=parse_size(args.verifier_size, ("hidden_size", "num_layers", "num_heads")),
+                        draft=parse_size(args.draft_size, ("hidden_size", "num_layers", "num_heads")),
+                        draft_s4d=parse_size(args.s4d_size, ("hidden_size", "num_layers", "state_dim")),
+                        max_files=args.max_files, eval_prompts=args.eval_prompts)
+    run_training(opts)
+    if args.ship:
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "report.json"):
+            shutil.copy(opts.out / name, ASSETS / name)
+        for name in ("verifier", "draft", "draft_s4d"):
+            shutil.rmtree(ASSETS / name, ignore_errors=True)
+            shutil.copytree(opts.out / name, ASSETS / name)
+        print(f"shipped into {ASSETS}")
     return 0
 
 
@@ -95,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "from a language model, with the same output.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    add_train(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

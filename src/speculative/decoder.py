@@ -21,6 +21,7 @@ from .proposers.base import Proposal
 from .proposers.draft_model import DraftModelProposer, pad
 from .sampling import make_generators, probabilities, sample
 from .stats import DecodeStats
+from .text import same_vocabulary
 from .verify import greedy_verify, rejection_verify
 
 
@@ -45,7 +46,7 @@ def prefill(model, prompts: list[list[int]], capacity: int):
     state = model.new_state(len(prompts), capacity)
     heads = [p[:-1] for p in prompts]
     if max(map(len, heads)) > 0:
-        model.forward(pad(heads, model.device), state, [len(h) for h in heads])
+        model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=False)
     return state
 
 
@@ -56,6 +57,24 @@ def cut(tokens: list[int], budget: int, eos: set[int]) -> tuple[list[int], bool]
         if token in eos:
             return tokens[:i + 1], True
     return tokens, len(tokens) == budget
+
+
+def check_compatible(target, proposer) -> None:
+    """Draft and target must share one vocabulary: compared by tokenizer when both have
+    one (padded embedding matrices, as in Qwen, then pass), else by vocabulary size."""
+    draft = getattr(proposer, "model", None)
+    draft_vocab = getattr(proposer, "vocab_size", None)
+    if draft_vocab is None:
+        return  # n-gram lookup proposes ids from the sequence itself
+    target_tok, draft_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if target_tok is not None and draft_tok is not None:
+        if not same_vocabulary(target_tok, draft_tok):
+            raise ValueError(f"draft and target tokenizers differ: draft {draft_tok.name} ({len(draft_tok)} tokens), "
+                             f"target {target_tok.name} ({len(target_tok)} tokens); both sides need one tokenizer")
+        return
+    if draft_vocab != target.vocab_size:
+        raise ValueError(f"draft and target vocabularies differ: draft has {draft_vocab} tokens, target "
+                         f"has {target.vocab_size}; both sides must share one vocabulary")
 
 
 class SpeculativeDecoder:
@@ -77,10 +96,7 @@ class SpeculativeDecoder:
             self.proposer = DraftModelProposer(
                 draft_model, self.config.draft_temperature if sampling else 0.0,
                 self.config.top_k, self.config.top_p, sampling)
-        draft_vocab = getattr(self.proposer, "vocab_size", None)
-        if draft_vocab is not None and draft_vocab != main_model.vocab_size:
-            raise ValueError(f"draft and target vocabularies differ: draft has {draft_vocab} tokens, target "
-                             f"has {main_model.vocab_size}; both sides must share one vocabulary")
+        check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
 
     def acceptance_rate(self) -> float:
@@ -147,17 +163,17 @@ class SpeculativeDecoder:
             k = min(cfg.num_draft_tokens, max(remaining) - 1)
             with torch.inference_mode():
                 proposal = self._propose(rows, k)
+                drafts, lengths = proposal.tokens, proposal.lengths
                 step_started = time.perf_counter()
                 last = torch.tensor([[row[-1]] for row in rows], device=target.device)
-                logits = target.forward(torch.cat([last, proposal.tokens], 1), state)  # (B, k+1, V)
+                logits = target.forward(torch.cat([last, drafts], 1), state)  # (B, k+1, V)
+                lengths_t = torch.tensor(lengths, device=target.device)
                 if cfg.sampling:
                     p = probabilities(logits, cfg.main_temperature, cfg.top_k, cfg.top_p)
-                    accepted, extra = rejection_verify(proposal.tokens, proposal.lengths, proposal.probs, p,
-                                                       target_gens)
+                    accepted, extra = rejection_verify(drafts, lengths_t, proposal.probs, p, target_gens)
                 else:
-                    accepted, extra = greedy_verify(proposal.tokens, proposal.lengths, logits)
-                accepted, extra = accepted.tolist(), extra.tolist()
-                drafts, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
+                    accepted, extra = greedy_verify(drafts, lengths_t, logits)
+                accepted, extra, drafts = accepted.tolist(), extra.tolist(), drafts.tolist()
                 stats.verify_seconds += time.perf_counter() - step_started
                 stats.target_forwards += 1
                 stats.record_step(lengths, accepted)
@@ -175,14 +191,17 @@ class SpeculativeDecoder:
             yield from events
 
     def _propose(self, rows: list[list[int]], k: int) -> Proposal:
-        device = self.main_model.device
+        """Drafts for this step, cut to the longest row's draft: no row drafting means a
+        plain one-token target step, with nothing wasted."""
         if k <= 0:
-            empty = torch.zeros((len(rows), 0), dtype=torch.long, device=device)
-            return Proposal(empty, torch.zeros(len(rows), dtype=torch.long, device=device))
+            empty = torch.zeros((len(rows), 0), dtype=torch.long, device=self.main_model.device)
+            return Proposal(empty, [0] * len(rows))
         started = time.perf_counter()
         proposal = self.proposer.propose(rows, k)
         self.stats.draft_seconds += time.perf_counter() - started
-        return proposal
+        width = max(proposal.lengths)
+        probs = None if proposal.probs is None else proposal.probs[:, :width]
+        return Proposal(proposal.tokens[:, :width].to(self.main_model.device), proposal.lengths, probs)
 
 
 def autoregressive_generate(model, prompt_ids, max_new_tokens, config: SpeculativeConfig | None = None,

@@ -9,6 +9,7 @@ the first i drafted tokens, so row `accepted` is where the extra token comes fro
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .sampling import sample, uniform
 
@@ -59,6 +60,12 @@ def rejection_verify(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
     Returns accepted (B,) and the recovered-or-bonus token (B,).
     """
     batch, k = draft_tokens.shape
+    if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
+        # Padded vocabularies (same tokenizer, different logit widths): ids past a side's
+        # width have probability 0 on that side.
+        width = max(draft_probs.shape[-1], target_probs.shape[-1])
+        draft_probs = F.pad(draft_probs, (0, width - draft_probs.shape[-1]))
+        target_probs = F.pad(target_probs, (0, width - target_probs.shape[-1]))
     p_drafted = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, K)
     if draft_probs is None:
         q_drafted = torch.ones_like(p_drafted)

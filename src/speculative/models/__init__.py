@@ -63,8 +63,12 @@ def output_size(opts: dict | None = None) -> int:
     return int({**DEFAULT_VERIFIER_OPTS, **(opts or {})}["hidden_size"])
 
 
-def save_model(model, directory) -> Path:
-    """Write a built-in model as model.safetensors plus config.json (no pickle)."""
+def save_model(model, directory, weight_dtype: torch.dtype | None = None) -> Path:
+    """Write a built-in model as model.safetensors plus config.json (no pickle).
+
+    `weight_dtype` (e.g. torch.float16) stores the `*.weight` matrices smaller; the few
+    SSM parameters stay float32, where fp16 rounding would move their poles.
+    """
     from safetensors.torch import save_file
 
     if getattr(model, "model_type", None) not in MODEL_TYPES:
@@ -73,7 +77,9 @@ def save_model(model, directory) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
                if not (model.cfg.tie_embeddings and name == "lm_head.weight")}
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    if weight_dtype is not None:
+        tensors = {n: t.to(weight_dtype) if n.endswith(".weight") else t for n, t in tensors.items()}
+    dtype = str(tensors["embed_tokens.weight"].dtype).removeprefix("torch.")
     save_file(tensors, str(directory / WEIGHTS_FILE))
     config = {"model_type": model.model_type, "dtype": dtype, **model.options()}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -9,10 +9,11 @@ The engine uses four operations:
 
 - `new_state(batch_size, capacity)`: an empty state for B rows of at most `capacity`
   tokens each (capacity bounds the tokens ever fed, including rejected drafts).
-- `forward(tokens, state, num_valid=None)`: tokens (B, T) are appended to each row;
-  returns logits (B, T, V). With `num_valid`, row b only keeps its first num_valid[b]
-  tokens (its other tokens are padding whose logits are garbage); this is how rows of
-  different lengths share one call.
+- `forward(tokens, state, num_valid=None, keep_logits=True)`: tokens (B, T) are appended
+  to each row; returns logits (B, T, V). With `num_valid`, row b only keeps its first
+  num_valid[b] tokens (its other tokens are padding whose logits are garbage); this is
+  how rows of different lengths share one call. keep_logits=False may return None
+  (prompt processing needs no logits, and a 262k-token output layer is costly).
 - `rollback(state, lengths)`: truncate row b to its first lengths[b] tokens. A model may
   only guarantee rollback over the short forwards (a speculative step's worth of tokens)
   made since its previous rollback: a recurrent model keeps the states it passed through
@@ -38,7 +39,8 @@ class LanguageModel(Protocol):
 
     def new_state(self, batch_size: int, capacity: int) -> Any: ...
 
-    def forward(self, tokens: torch.Tensor, state: Any, num_valid: list[int] | None = None) -> torch.Tensor: ...
+    def forward(self, tokens: torch.Tensor, state: Any, num_valid: list[int] | None = None,
+                keep_logits: bool = True) -> torch.Tensor | None: ...
 
     def rollback(self, state: Any, lengths: list[int]) -> None: ...
 

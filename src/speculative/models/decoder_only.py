@@ -104,18 +104,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, write, cache_k, cache_v, keys, mask):
+    def forward(self, x, cos, sin, cache=None):
+        """cache = (write, cache_k, cache_v, keys, mask) during generation; None scores a whole
+        sequence with plain causal attention (training)."""
         batch, width, _ = x.shape
         q = self.q_proj(x).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        write(cache_k, k)
-        write(cache_v, v)
-        out = F.scaled_dot_product_attention(
-            q, cache_k[:, :, :keys], cache_v[:, :, :keys], attn_mask=mask,
-            enable_gqa=self.num_kv_heads != self.num_heads)  # (B, H, T, D)
+        gqa = self.num_kv_heads != self.num_heads
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            write, cache_k, cache_v, keys, mask = cache
+            write(cache_k, k)
+            write(cache_v, v)
+            out = F.scaled_dot_product_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], attn_mask=mask,
+                                                 enable_gqa=gqa)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
@@ -138,8 +144,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, write, cache_k, cache_v, keys, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write, cache_k, cache_v, keys, mask)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -195,9 +201,8 @@ class DecoderOnlyLM(nn.Module):
         state.lengths = [state.lengths[r] for r in rows]
 
     # --- forward -------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, T, D) for positions (B, T); the table grows on demand."""
-        needed = int(positions.max()) + 1
+    def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, T, D) for positions (B, T) below `needed`; the table grows on demand."""
         if self._rope_cache is None or self._rope_cache[0].shape[0] < needed \
                 or self._rope_cache[0].device != positions.device:
             size = max(needed, self.cfg.max_seq_len)
@@ -210,8 +215,20 @@ class DecoderOnlyLM(nn.Module):
         cos, sin = (table[positions].to(dtype).unsqueeze(1) for table in self._rope_cache)
         return cos, sin
 
-    def forward(self, tokens: torch.Tensor, state: KVState, num_valid: list[int] | None = None) -> torch.Tensor:
-        """Append tokens (B, T) to every row; returns logits (B, T, V)."""
+    def forward(self, tokens: torch.Tensor, state: KVState | None = None,
+                num_valid: list[int] | None = None, keep_logits: bool = True) -> torch.Tensor | None:
+        """Append tokens (B, T) to every row of `state`; returns logits (B, T, V).
+
+        Without a state, scores the tokens as whole sequences from position 0 (training).
+        keep_logits=False skips the output projection (prompt processing needs no logits).
+        """
+        if state is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            cos, sin = self._rope(positions, tokens.shape[1])
+            x = self.embed_tokens(tokens)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.lm_head(self.norm(x))
         batch, width = tokens.shape
         counts = valid_counts(num_valid, batch, width)
         starts = state.lengths
@@ -221,7 +238,7 @@ class DecoderOnlyLM(nn.Module):
         device = tokens.device
         start_t = torch.tensor(starts, device=device)
         positions = start_t[:, None] + torch.arange(width, device=device)  # (B, T)
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions, keys)
         if min(starts) == max(starts):
             first = starts[0]
 
@@ -236,6 +253,6 @@ class DecoderOnlyLM(nn.Module):
         mask = (torch.arange(keys, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         x = self.embed_tokens(tokens)
         for layer, cache_k, cache_v in zip(self.layers, state.keys, state.values):
-            x = layer(x, cos, sin, write, cache_k, cache_v, keys, mask)
+            x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if keep_logits else None

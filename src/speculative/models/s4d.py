@@ -121,6 +121,8 @@ class S4DKernel(nn.Module):
                                * torch.fft.rfft(kernel, n=size), n=size)[..., :width]  # (B, H, T)
         from_x0 = 2 * torch.einsum("hnt,bhn,hn->bth", powers[..., 1:], x0, c).real
         y = conv.transpose(1, 2).to(u.dtype) + from_x0 + self.d * u
+        if counts is None:
+            return y, None
         # Final state per row: x_L = dA^L x0 + sum_{s<L} dA^(L-1-s) dB u_s.
         finals = []
         for row, length in enumerate(counts):
@@ -198,8 +200,20 @@ class S4DLM(nn.Module):
         state.history = [h[rows, at][:, None] for h in state.history]
         state.base = list(state.lengths)
 
-    def forward(self, tokens: torch.Tensor, state: SSMState, num_valid: list[int] | None = None) -> torch.Tensor:
-        """Append tokens (B, T) to every row; returns logits (B, T, V)."""
+    def forward(self, tokens: torch.Tensor, state: SSMState | None = None,
+                num_valid: list[int] | None = None, keep_logits: bool = True) -> torch.Tensor | None:
+        """Append tokens (B, T) to every row of `state`; returns logits (B, T, V).
+
+        Without a state, scores the tokens as whole sequences from a zero state (training).
+        keep_logits=False skips the output projection (prompt processing needs no logits).
+        """
+        if state is None:
+            x = self.embed_tokens(tokens)
+            zero = torch.zeros(tokens.shape[0], self.cfg.hidden_size, self.cfg.state_dim, dtype=torch.complex64,
+                               device=tokens.device)
+            for layer in self.layers:
+                x, _ = layer(x, zero, None, keep_all=False)
+            return self.lm_head(self.norm(x))
         batch, width = tokens.shape
         counts = valid_counts(num_valid, batch, width)
         depth = state.history[0].shape[1]
@@ -222,4 +236,4 @@ class S4DLM(nn.Module):
             state.base = [n - (depth - 1) + (width - c) for n, c in zip(state.lengths, counts)]
         else:
             state.base = list(state.lengths)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if keep_logits else None

@@ -2,5 +2,6 @@
 
 from .base import Proposal, Proposer
 from .draft_model import DraftModelProposer
+from .ngram import NGramProposer
 
-__all__ = ["Proposal", "Proposer", "DraftModelProposer"]
+__all__ = ["Proposal", "Proposer", "DraftModelProposer", "NGramProposer"]

@@ -17,8 +17,8 @@ import torch
 class Proposal:
     # Drafted tokens (B, K), padded past each row's length.
     tokens: torch.Tensor
-    # Drafted tokens per row (B,) on the tokens' device; rows may draft fewer than K.
-    lengths: torch.Tensor
+    # Drafted tokens per row; rows may draft fewer than K (an n-gram lookup may find none).
+    lengths: list[int]
     # The draft distributions q (B, K, V) the tokens were sampled from; None when the
     # tokens are deterministic (greedy draft, n-gram lookup): q is then one-hot.
     probs: torch.Tensor | None = None

@@ -33,11 +33,15 @@ class DraftModelProposer:
         self.generators = list(generators)
         heads = [p[:-1] for p in prompts]
         if max(map(len, heads)) > 0:
-            self.model.forward(pad(heads, self.model.device), self.state, [len(h) for h in heads])
+            self.model.forward(pad(heads, self.model.device), self.state, [len(h) for h in heads], keep_logits=False)
 
     def propose(self, sequences: list[list[int]], k: int) -> Proposal:
         device = self.model.device
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
+        outside = [t for p in pending for t in p if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
+                             f"{self.vocab_size} (a padded id the tokenizer does not have)")
         self._committed, self._k = [len(seq) for seq in sequences], k
         logits = self.model.forward(pad(pending, device), self.state, [len(p) for p in pending])
         rows = torch.arange(len(sequences), device=device)
@@ -52,8 +56,7 @@ class DraftModelProposer:
                 tokens.append(sample(q, self.generators))
             else:
                 tokens.append(logits.argmax(-1))
-        lengths = torch.full((len(sequences),), k, device=device)
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1) if self.sampling else None)
+        return Proposal(torch.stack(tokens, 1), [k] * len(sequences), torch.stack(probs, 1) if self.sampling else None)
 
     def commit(self, accepted: list[int]) -> None:
         # The draft has seen the committed prefix plus its first K-1 drafts; keep what the

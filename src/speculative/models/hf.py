@@ -1,0 +1,124 @@
+"""Adapter: any transformers causal LM as target or draft, in batches, with rollback.
+
+Rows of a batch share the cache's slots but keep their own lengths: every forward
+appends T slots to all rows, and a slot a row does not keep (a rejected draft, padding)
+becomes a hole that its attention mask hides. We pass the model our own 4-D masks and
+per-row position ids, so each row sees exactly its own tokens at their own positions.
+Sliding-window layers (Gemma 3) get a mask that measures the window in each row's
+positions, not in slots; the cache keeps full layers so no slot a window may need is
+dropped. Rollback hides the rolled-back slots and crops the slots no row keeps.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# Layer types whose masks we know how to build.
+LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class HFState:
+    def __init__(self, cache, batch_size: int, device):
+        self.cache = cache
+        self.lengths = [0] * batch_size
+        # Per slot: whether the row keeps it, and the row's position of the token in it.
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (B, S)
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, S)
+
+
+class HFModel:
+    """Wraps a transformers `PreTrainedModel` in the model protocol of `speculative.models.base`."""
+
+    model_type = "transformers"
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        # Width of the logits (may exceed the tokenizer's size: padded vocabularies).
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_seq_len = int(limit) if limit else None
+        self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        unknown = self.layer_types - LAYER_TYPES
+        if unknown:
+            raise ValueError(f"{type(model).__name__} has attention layers of type {sorted(unknown)}; "
+                             f"supported: {sorted(LAYER_TYPES)}")
+        self.window = getattr(config, "sliding_window", None)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_state(self, batch_size: int, capacity: int | None = None) -> HFState:
+        from transformers import DynamicCache
+
+        # No config: every layer keeps all its slots (our masks do the windowing).
+        return HFState(DynamicCache(), batch_size, self.device)
+
+    def _masks(self, state: HFState, positions: torch.Tensor):
+        """Additive masks (B, 1, T, S+T) for the new tokens at `positions` (B, T)."""
+        batch, width = positions.shape
+        keys_valid = torch.cat([state.valid, torch.ones(batch, width, dtype=torch.bool, device=positions.device)], 1)
+        keys_pos = torch.cat([state.positions, positions], 1)
+        visible = keys_valid[:, None, :] & (keys_pos[:, None, :] <= positions[:, :, None])  # (B, T, S+T)
+        blocked = torch.finfo(self.dtype).min
+
+        def additive(allowed):
+            return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+                ~allowed, blocked)[:, None]
+
+        masks = {"full_attention": additive(visible)}
+        if "sliding_attention" in self.layer_types:
+            near = positions[:, :, None] - keys_pos[:, None, :] < self.window
+            masks["sliding_attention"] = additive(visible & near)
+        return masks, keys_pos
+
+    def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
+                keep_logits: bool = True) -> torch.Tensor | None:
+        batch, width = tokens.shape
+        counts = [width] * batch if num_valid is None else list(num_valid)
+        device = tokens.device
+        positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
+        masks, keys_pos = self._masks(state, positions)
+        mask = masks if len(self.layer_types) > 1 else masks["full_attention"]
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=0 if keep_logits else 1, **{self._cache_arg: state.cache})
+        kept = torch.arange(width, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+        state.valid = torch.cat([state.valid, kept], 1)
+        state.positions = keys_pos
+        state.lengths = [n + c for n, c in zip(state.lengths, counts)]
+        return out.logits.float() if keep_logits else None
+
+    def rollback(self, state: HFState, lengths: list[int]) -> None:
+        if len(lengths) != len(state.lengths) or any(not 0 <= n <= m for n, m in zip(lengths, state.lengths)):
+            raise ValueError(f"cannot roll back lengths {state.lengths} to {list(lengths)}")
+        keep = torch.tensor(lengths, device=state.valid.device)[:, None]
+        state.valid = state.valid & (state.valid.long().cumsum(1) <= keep)
+        state.lengths = list(lengths)
+        self._crop(state)
+
+    def select_rows(self, state: HFState, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=state.valid.device)
+        state.cache.batch_select_indices(index)
+        state.valid, state.positions = state.valid[index], state.positions[index]
+        state.lengths = [state.lengths[r] for r in rows]
+        self._crop(state)
+
+    def _crop(self, state: HFState) -> None:
+        """Drop the trailing slots that no row keeps."""
+        slots = state.valid.shape[1]
+        used = state.valid.any(0).nonzero()
+        last = int(used[-1]) + 1 if len(used) else 0
+        if last < slots:
+            state.cache.crop(last - slots)  # a negative count: slots to remove
+            state.valid, state.positions = state.valid[:, :last], state.positions[:, :last]

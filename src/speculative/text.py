@@ -1,0 +1,49 @@
+"""Tokenizers behind one small interface: text in, token ids, text out."""
+
+from __future__ import annotations
+
+
+class TextTokenizer:
+    """Wraps a transformers tokenizer or a `tokenizers.Tokenizer`.
+
+    `eos_token_ids` are the ids that end generation; `name` says where it came from, for
+    error messages that compare two tokenizers.
+    """
+
+    def __init__(self, backend, name: str, eos_token_ids: list[int] | None = None):
+        self.backend = backend
+        self.name = name
+        self.is_hf = hasattr(backend, "apply_chat_template")
+        if eos_token_ids is None:
+            eos = backend.eos_token_id if self.is_hf else backend.token_to_id("<|endoftext|>")
+            eos_token_ids = [] if eos is None else [eos]
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __len__(self) -> int:
+        return len(self.backend) if self.is_hf else self.backend.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        if self.is_hf:
+            return self.backend(text, add_special_tokens=True)["input_ids"]
+        return self.backend.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.is_hf:
+            return self.backend.decode(ids, skip_special_tokens=True)
+        return self.backend.decode(ids)
+
+    def vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab()
+
+    def chat(self, text: str) -> list[int]:
+        """The prompt as one user turn of the tokenizer's chat template."""
+        if not self.is_hf or not getattr(self.backend, "chat_template", None):
+            raise ValueError(f"tokenizer {self.name} has no chat template; drop --chat to use the text as it is")
+        ids = self.backend.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:
+    """Two tokenizers are interchangeable when they map the same strings to the same ids."""
+    return a is b or a.vocab() == b.vocab()

