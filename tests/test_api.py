@@ -96,26 +96,26 @@ def test_same_seed_same_output_and_other_seed_other_output():
     draft = sharpen(tiny("s4d", seed=2), 8.0)
 
     def sampled(seed):
-        config = SpeculativeConfig(greedy_verification=False, seed=seed)
+        config = SpeculativeConfig(adaptive=False, greedy_verification=False, seed=seed)
         return SpeculativeDecoder(target, draft, config).generate([3, 1, 4], 40)
 
     assert sampled(7) == sampled(7)
     assert sampled(7) != sampled(8)
-    config = SpeculativeConfig(greedy_verification=False, seed=7)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, seed=7)
     assert autoregressive_generate(target, [3, 1, 4], 40, config) == \
         autoregressive_generate(target, [3, 1, 4], 40, config)
 
 
 def test_stream_yields_the_generated_tokens_in_order(pair):
     draft, target = pair
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=3))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=3))
     streamed = list(decoder.stream([5, 6, 7], 20))
     assert streamed == autoregressive_generate(target, [5, 6, 7], 20)
 
 
 def test_stats_and_reset(pair):
     draft, target = pair
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     decoder.generate([5, 6, 7], 30)
     s = decoder.stats
     assert s.generated == 30 and s.target_forwards > 0 and s.drafted > 0

@@ -27,7 +27,7 @@ def test_greedy_equals_autoregressive(draft_type, target_type):
     draft, target = make_pair(draft_type, target_type)
     exercised = {"rejected": 0, "all_accepted": 0}
     for k in (1, 2, 4, 8):
-        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k))
+        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=k))
         for length in (1, 2, 9, 33, 64):
             ids = prompt(length, seed=length * 10 + k)
             expected = autoregressive_generate(target, ids, 30)
@@ -46,7 +46,7 @@ def test_greedy_equals_autoregressive(draft_type, target_type):
 def test_draft_equal_to_target_takes_the_bonus_path():
     target = tiny("decoder_only", seed=3)
     ids = prompt(7, seed=1)
-    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     assert decoder.generate(ids, 25) == autoregressive_generate(target, ids, 25)
     assert decoder.acceptance_rate() == 1.0
     assert decoder.stats.target_forwards == 5  # 5 tokens per forward: 4 accepted + 1 bonus
@@ -61,7 +61,7 @@ def test_eos_inside_a_draft(target_type):
     # An EOS that first appears in the middle of the output (not at the start of a step).
     eos = next(t for i, t in enumerate(reference) if i % 8 not in (0, 7) and t not in reference[:i])
     cut = reference.index(eos) + 1
-    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(num_draft_tokens=8))
+    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     assert decoder.generate(ids, 40, eos_token_id=eos) == reference[:cut]
     assert autoregressive_generate(target, ids, 40, eos_token_id=eos) == reference[:cut]
     assert decoder.stats.generated == cut
@@ -71,7 +71,7 @@ def test_eos_inside_a_draft(target_type):
 def test_max_new_tokens_inside_a_draft(max_new):
     target = tiny("decoder_only", seed=5)
     ids = prompt(4, seed=3)
-    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(num_draft_tokens=8))
+    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     out = decoder.generate(ids, max_new)
     assert out == autoregressive_generate(target, ids, max_new)
     assert len(out) == max_new
@@ -103,7 +103,7 @@ def test_target_scores_all_drafts_in_one_forward_and_never_reruns_the_prefix(tar
     draft, target = make_pair(target_type, target_type)
     counting = CountingModel(target)
     ids = prompt(20, seed=4)
-    decoder = SpeculativeDecoder(counting, draft, SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(counting, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     out = decoder.generate(ids, 30)
     assert out == autoregressive_generate(target, ids, 30)
     prefill, steps = counting.widths[0], counting.widths[1:]

@@ -82,7 +82,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(models, case):
     draft, target = models
-    config = SpeculativeConfig(**{"greedy_verification": False, "num_draft_tokens": 2, **CASES[case]})
+    config = SpeculativeConfig(**{"adaptive": False, "greedy_verification": False, "num_draft_tokens": 2, **CASES[case]})
     assert total_variation(draft, target, config) > 0.25  # the draft clearly differs
     decoder = SpeculativeDecoder(target, draft, config)
     counts = draw(decoder, max_new=6 if config.num_draft_tokens == 4 else LENGTH)
@@ -93,7 +93,7 @@ def test_speculative_sampling_matches_target_distribution(models, case):
 def test_s4d_pair_is_lossless():
     target = sharpen(tiny("s4d", vocab=VOCAB, seed=13), 12.0)
     draft = sharpen(tiny("s4d", vocab=VOCAB, seed=14), 12.0)
-    config = SpeculativeConfig(greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, draft, config)
     assert g_test_pvalue(draw(decoder), exact_joint(target, config)) > P_MIN
     assert 0 < decoder.acceptance_rate() < 1
@@ -101,7 +101,7 @@ def test_s4d_pair_is_lossless():
 
 def test_draft_equal_to_target_accepts_everything(models):
     _, target = models
-    config = SpeculativeConfig(greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, target, config)
     counts = draw(decoder)
     assert decoder.acceptance_rate() == 1.0
@@ -115,7 +115,7 @@ def test_draft_mass_on_a_token_the_target_never_emits():
     draft_table = torch.full((VOCAB, VOCAB), -30.0)
     draft_table[:, 0] = 30.0  # the draft always proposes token 0
     draft = TableModel(draft_table)
-    config = SpeculativeConfig(greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, draft, config)
     counts = draw(decoder)
     assert decoder.acceptance_rate() == 0.0
@@ -124,7 +124,7 @@ def test_draft_mass_on_a_token_the_target_never_emits():
 
 def test_top_k_1_is_greedy(models):
     draft, target = models
-    config = SpeculativeConfig(greedy_verification=False, top_k=1, num_draft_tokens=3)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, top_k=1, num_draft_tokens=3)
     outs = SpeculativeDecoder(target, draft, config).generate([PROMPT] * 200, 8, seeds=list(range(200)))
     assert all(out == autoregressive_generate(target, PROMPT, 8) for out in outs)
 
@@ -132,7 +132,7 @@ def test_top_k_1_is_greedy(models):
 def test_exact_joint_matches_plain_sampling(models):
     """The reference itself: autoregressive sampling against the enumerated distribution."""
     _, target = models
-    config = SpeculativeConfig(greedy_verification=False, top_p=0.9)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, top_p=0.9)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, config, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
@@ -142,8 +142,8 @@ def test_exact_joint_matches_plain_sampling(models):
 def test_the_g_test_detects_a_wrong_distribution(models):
     """The check has teeth: samples at another temperature are rejected."""
     _, target = models
-    hot = SpeculativeConfig(greedy_verification=False, main_temperature=1.3)
+    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, main_temperature=1.3)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
-    assert g_test_pvalue(counts, exact_joint(target, SpeculativeConfig(greedy_verification=False))) < P_MIN
+    assert g_test_pvalue(counts, exact_joint(target, SpeculativeConfig(adaptive=False, greedy_verification=False))) < P_MIN

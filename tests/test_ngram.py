@@ -34,7 +34,7 @@ def test_no_match_proposes_nothing_and_costs_one_plain_target_step():
     target = tiny("decoder_only", seed=1)
     counting = CountingModel(target)
     ids = torch.randperm(60, generator=torch.Generator().manual_seed(0)).tolist()[:10]
-    decoder = SpeculativeDecoder(counting, NGramProposer(), SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(counting, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     out = decoder.generate(ids, 20)
     assert out == autoregressive_generate(target, ids, 20)
     steps = counting.widths[1:]
@@ -46,6 +46,6 @@ def test_no_match_proposes_nothing_and_costs_one_plain_target_step():
 def test_ngram_greedy_is_exact_on_repetitive_text():
     target = tiny("decoder_only", seed=2)
     ids = [5, 6, 7, 8, 9] * 6
-    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=8))
+    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
     assert decoder.stats.tokens_per_forward > 1.2

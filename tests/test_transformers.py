@@ -68,7 +68,7 @@ def test_greedy_equals_transformers_generate(hf_models, target_name, draft_kind)
     target = hf_models[target_name]
     draft = {"ngram": NGramProposer(max_ngram=3, num_draft_tokens=6), "transformers draft": hf_models["draft"],
              "self": target}[draft_kind]
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     for length, seed in [(1, 0), (5, 1), (40, 2)]:
         ids = prompt(length, seed) * (2 if draft_kind == "ngram" else 1)  # repeats give n-grams to find
         assert decoder.generate(ids, 30) == reference(target.model, ids, 30)
@@ -98,9 +98,9 @@ def test_padded_vocabulary_passes_the_tokenizer_check(tmp_path):
     target = saved(padded, tmp_path / "padded")
     draft = saved(llama(6), tmp_path / "plain")
     ids = prompt(10, 6)
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=3))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=3))
     assert decoder.generate(ids, 20) == reference(target.model, ids, 20)
-    sampled = SpeculativeDecoder(target, draft, SpeculativeConfig(greedy_verification=False, seed=1, top_k=10))
+    sampled = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, greedy_verification=False, seed=1, top_k=10))
     assert len(sampled.generate(ids, 20)) == 20
 
 
@@ -115,13 +115,13 @@ def test_batched_rows_equal_single_rows(hf_models):
     target, draft = hf_models["llama"], hf_models["draft"]
     prompts = [prompt(3, 7), prompt(17, 8), prompt(9, 9) * 2]
     for proposer in (draft, NGramProposer(max_ngram=2)):
-        decoder = SpeculativeDecoder(target, proposer, SpeculativeConfig(num_draft_tokens=3))
+        decoder = SpeculativeDecoder(target, proposer, SpeculativeConfig(adaptive=False, num_draft_tokens=3))
         outs = decoder.generate(prompts, [20, 12, 25])
         assert outs == [reference(target.model, p, n) for p, n in zip(prompts, [20, 12, 25])]
 
 
 @pytest.mark.parametrize("bad, error, message", [
-    ("missing", FileNotFoundError, "is neither a local path nor a preset"),
+    ("missing", FileNotFoundError, "missing does not exist, and it is not a preset"),
     ("empty", FileNotFoundError, "holds no config.json"),
     ("noweights", FileNotFoundError, "no \\*.safetensors weights"),
     ("pickled", ValueError, "only safetensors are loaded"),
@@ -160,7 +160,7 @@ def test_gemma_3_270m_greedy_equals_generate():
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:2600]
     ids = tokenizer.encode(source + "\n# The same code again:\n" + source[:300])
     assert len(ids) > 600
-    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=8))
+    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     out = decoder.generate(ids, 40)
     assert out == reference(target.model, ids, 40)
     assert decoder.stats.tokens_per_forward > 1.5
@@ -177,7 +177,7 @@ def test_sampling_with_a_transformers_target_is_lossless():
         return HFModel(model)
 
     target, draft = sharp(llama(21, vocab=V)), sharp(llama(22, vocab=V, hidden=32, layers=1))
-    config = SpeculativeConfig(greedy_verification=False, num_draft_tokens=2, draft_temperature=0.8)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=0.8)
     decoder = SpeculativeDecoder(target, draft, config)
     counts = draw(decoder)
     assert 0 < decoder.acceptance_rate() < 1

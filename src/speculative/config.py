@@ -16,6 +16,7 @@ class SpeculativeConfig:
     """
 
     # K: tokens the draft proposes per step; the target scores all of them in one forward.
+    # With `adaptive`, the largest K the policy may choose.
     num_draft_tokens: int = 4
     # Temperature of the draft's proposals (0 = greedy drafts). Never changes the output.
     draft_temperature: float = 1.0
@@ -30,6 +31,9 @@ class SpeculativeConfig:
     top_p: float | None = None
     # Seed of the sampling generators; None draws a fresh seed from the OS.
     seed: int | None = None
+    # Choose K per step from measured acceptance and costs, drafting nothing when that
+    # cannot pay. Sampling with a seed keeps K fixed, so that output is reproducible.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int):
@@ -48,6 +52,8 @@ class SpeculativeConfig:
                 raise ValueError(f"top_p must be None or a number with 0 < top_p <= 1, got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
 
     @property
     def sampling(self) -> bool:

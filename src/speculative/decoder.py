@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .adaptive import AdaptivePolicy, Costs
 from .config import SpeculativeConfig
 from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
 from .proposers.base import Proposal
@@ -98,6 +99,8 @@ class SpeculativeDecoder:
                 self.config.top_k, self.config.top_p, sampling)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
+        # Learned across generations: acceptance and costs carry over from call to call.
+        self.policy = AdaptivePolicy(max_k=self.config.num_draft_tokens)
 
     def acceptance_rate(self) -> float:
         """Accepted / drafted over everything generated since the last reset_stats()."""
@@ -134,6 +137,8 @@ class SpeculativeDecoder:
         target_gens = make_generators(seeds, target.device)
         draft_gens = make_generators([draft_seed(s) for s in seeds], target.device)
         capacity = max(len(p) + m for p, m in zip(prompts, budgets)) + cfg.num_draft_tokens + 1
+        # A seed pins K: adaptive K follows timings, which would make sampled output vary.
+        policy = self.policy if cfg.adaptive and not (cfg.sampling and cfg.seed is not None) else None
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -144,14 +149,13 @@ class SpeculativeDecoder:
         active = list(range(batch))
         stats.prefill_seconds += time.perf_counter() - started
         stats.total_seconds += time.perf_counter() - started
-        events = []
         while True:
             started = time.perf_counter()
-            done = [r for r in active if produced[r] >= budgets[r]]
+            done = [i for i, r in enumerate(active) if produced[r] >= budgets[r]]
             if done:
-                keep = [i for i, r in enumerate(active) if r not in done]
+                keep = [i for i in range(len(active)) if i not in done]
                 active = [active[i] for i in keep]
-                if active:
+                if active:  # finished rows leave the batch and stop costing compute
                     target.select_rows(state, keep)
                     proposer.select_rows(keep)
                     target_gens = [target_gens[i] for i in keep]
@@ -160,48 +164,98 @@ class SpeculativeDecoder:
                 return
             rows = [sequences[r] for r in active]
             remaining = [budgets[r] - produced[r] for r in active]
-            k = min(cfg.num_draft_tokens, max(remaining) - 1)
             with torch.inference_mode():
-                proposal = self._propose(rows, k)
-                drafts, lengths = proposal.tokens, proposal.lengths
-                step_started = time.perf_counter()
-                last = torch.tensor([[row[-1]] for row in rows], device=target.device)
-                logits = target.forward(torch.cat([last, drafts], 1), state)  # (B, k+1, V)
-                lengths_t = torch.tensor(lengths, device=target.device)
-                if cfg.sampling:
-                    p = probabilities(logits, cfg.main_temperature, cfg.top_k, cfg.top_p)
-                    accepted, extra = rejection_verify(drafts, lengths_t, proposal.probs, p, target_gens)
-                else:
-                    accepted, extra = greedy_verify(drafts, lengths_t, logits)
-                accepted, extra, drafts = accepted.tolist(), extra.tolist(), drafts.tolist()
-                stats.verify_seconds += time.perf_counter() - step_started
-                stats.target_forwards += 1
-                stats.record_step(lengths, accepted)
-                events = []
-                for i, r in enumerate(active):
-                    new, finished = cut(drafts[i][:accepted[i]] + [extra[i]], remaining[i], eos)
-                    sequences[r] += new
-                    produced[r] = budgets[r] if finished else produced[r] + len(new)
-                    stats.generated += len(new)
-                    events.append((r, new))
+                if policy is not None and len(rows) not in policy.costs:
+                    policy.costs[len(rows)] = self._measure_costs(state, rows)
+                k = cfg.num_draft_tokens if policy is None else policy.choose(len(rows))
+                k = min(k, max(remaining) - 1)
+                min_confidence = None if policy is None else policy.min_confidence(len(rows))
+                proposal, draft_seconds = self._propose(rows, k, min_confidence)
+                accepted, extra, verify_seconds = self._verify(state, rows, proposal, target_gens)
+            stats.target_forwards += 1
+            stats.record_step(proposal.lengths, accepted)
+            if policy is not None:
+                policy.observe(proposal.lengths, accepted, proposal.confidences)
+                policy.observe_costs(len(rows), proposal.tokens.shape[1] + 1, verify_seconds,
+                                     sum(proposal.lengths), draft_seconds)
+            drafts = proposal.tokens.tolist()
+            events = []
+            for i, r in enumerate(active):
+                new, finished = cut(drafts[i][:accepted[i]] + [extra[i]], remaining[i], eos)
+                sequences[r] += new
+                produced[r] = budgets[r] if finished else produced[r] + len(new)
+                stats.generated += len(new)
+                events.append((r, new))
+            with torch.inference_mode():
                 target.rollback(state, [len(sequences[r]) - 1 for r in active])
-                if k > 0:
+                if proposal.tokens.shape[1] > 0 or k > 0:
                     proposer.commit(accepted)
             stats.total_seconds += time.perf_counter() - started
             yield from events
 
-    def _propose(self, rows: list[list[int]], k: int) -> Proposal:
+    def _propose(self, rows: list[list[int]], k: int, min_confidence: float | None) -> tuple[Proposal, float]:
         """Drafts for this step, cut to the longest row's draft: no row drafting means a
-        plain one-token target step, with nothing wasted."""
+        plain one-token target step, with nothing wasted. Also returns the seconds spent."""
         if k <= 0:
             empty = torch.zeros((len(rows), 0), dtype=torch.long, device=self.main_model.device)
-            return Proposal(empty, [0] * len(rows))
+            return Proposal(empty, [0] * len(rows)), 0.0
         started = time.perf_counter()
-        proposal = self.proposer.propose(rows, k)
-        self.stats.draft_seconds += time.perf_counter() - started
+        forward_before = getattr(self.proposer, "forward_seconds", 0.0)
+        if min_confidence is not None and getattr(self.proposer, "reports_confidence", False):
+            proposal = self.proposer.propose(rows, k, min_confidence=min_confidence)
+        else:
+            proposal = self.proposer.propose(rows, k)
+        seconds = time.perf_counter() - started
+        self.stats.draft_seconds += seconds
+        self.stats.draft_forward_seconds += getattr(self.proposer, "forward_seconds", 0.0) - forward_before
         width = max(proposal.lengths)
         probs = None if proposal.probs is None else proposal.probs[:, :width]
-        return Proposal(proposal.tokens[:, :width].to(self.main_model.device), proposal.lengths, probs)
+        confidences = None if proposal.confidences is None else [c[:width] for c in proposal.confidences]
+        return Proposal(proposal.tokens[:, :width].to(self.main_model.device), proposal.lengths, probs,
+                        confidences), seconds
+
+    def _verify(self, state, rows: list[list[int]], proposal: Proposal, generators):
+        """One target forward over the last committed token and the drafts, then the
+        acceptance rule: (accepted per row, the extra token per row, seconds)."""
+        cfg, target = self.config, self.main_model
+        started = time.perf_counter()
+        last = torch.tensor([[row[-1]] for row in rows], device=target.device)
+        logits = target.forward(torch.cat([last, proposal.tokens], 1), state)  # (B, K+1, V)
+        self.stats.target_forward_seconds += time.perf_counter() - started
+        lengths = torch.tensor(proposal.lengths, device=target.device)
+        if cfg.sampling:
+            p = probabilities(logits, cfg.main_temperature, cfg.top_k, cfg.top_p)
+            accepted, extra = rejection_verify(proposal.tokens, lengths, proposal.probs, p, generators)
+        else:
+            accepted, extra = greedy_verify(proposal.tokens, lengths, logits)
+        accepted, extra = accepted.tolist(), extra.tolist()
+        seconds = time.perf_counter() - started
+        self.stats.verify_seconds += seconds
+        return accepted, extra, seconds
+
+    def _measure_costs(self, state, rows: list[list[int]]) -> Costs:
+        """Time target forwards of width 1 and K+1 and one drafted token at this batch size
+        (forward, then roll back), once per batch size: the adaptive policy's cost model."""
+        target, k = self.main_model, self.config.num_draft_tokens
+        lengths = list(state.lengths)
+        last = torch.tensor([[row[-1]] for row in rows], device=target.device)
+        seconds = {}
+        for width in (1, k + 1, 1, k + 1):  # twice each: the first call may allocate
+            started = time.perf_counter()
+            target.forward(last.repeat(1, width), state)
+            synchronize(target.device)
+            elapsed = time.perf_counter() - started
+            seconds[width] = min(seconds.get(width, elapsed), elapsed)
+            target.rollback(state, lengths)
+        probe = getattr(self.proposer, "probe_seconds", None)
+        draft = probe(rows) if probe is not None else 1e-5
+        return Costs(v1=seconds[1], slope=max(0.0, (seconds[k + 1] - seconds[1]) / k), draft=draft)
+
+
+def synchronize(device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings mean something there too."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def autoregressive_generate(model, prompt_ids, max_new_tokens, config: SpeculativeConfig | None = None,

@@ -50,7 +50,7 @@ def resolve(name_or_path) -> Path:
     if "/" in text and not text.startswith((".", "/", "~")) and text.count("/") == 1:
         raise ValueError(f"{text!r} looks like a hub model name, but nothing is downloaded here: pass a local "
                          f"directory (config.json + safetensors), a .gguf file, or a preset ({', '.join(PRESETS)})")
-    raise FileNotFoundError(f"{text!r} is neither a local path nor a preset; presets: {', '.join(PRESETS)}")
+    raise FileNotFoundError(f"{text} does not exist, and it is not a preset ({', '.join(PRESETS)})")
 
 
 def load_model(name_or_path, device="cpu"):

@@ -23,6 +23,9 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    # Of those, seconds inside model forward calls (target; draft, as its proposer reports).
+    target_forward_seconds: float = 0.0
+    draft_forward_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,6 +41,12 @@ class DecodeStats:
     def other_seconds(self) -> float:
         """Engine time outside drafting and verification (bookkeeping, commits, rollbacks)."""
         return max(0.0, self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Engine time outside model forward passes (after the prompt)."""
+        return max(0.0, self.total_seconds - self.prefill_seconds - self.target_forward_seconds
+                   - self.draft_forward_seconds)
 
     @property
     def tokens_per_second(self) -> float:
@@ -62,5 +71,6 @@ class DecodeStats:
         """A flat JSON-able view, properties included."""
         out = {k: v for k, v in self.__dict__.items()}
         out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward,
-                   other_seconds=self.other_seconds, tokens_per_second=self.tokens_per_second)
+                   other_seconds=self.other_seconds, overhead_seconds=self.overhead_seconds,
+                   tokens_per_second=self.tokens_per_second)
         return out

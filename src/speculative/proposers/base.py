@@ -22,6 +22,8 @@ class Proposal:
     # The draft distributions q (B, K, V) the tokens were sampled from; None when the
     # tokens are deterministic (greedy draft, n-gram lookup): q is then one-hot.
     probs: torch.Tensor | None = None
+    # Per row, the draft's probability of each drafted token (for adaptive K); None if unknown.
+    confidences: list[list[float]] | None = None
 
 
 class Proposer(Protocol):

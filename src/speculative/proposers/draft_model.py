@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..sampling import probabilities, sample
@@ -26,7 +28,9 @@ class DraftModelProposer:
         self.state = None
         self.generators: list[torch.Generator] = []
         self._committed: list[int] = []
-        self._k = 0
+        self._drafted = 0
+        # Seconds inside draft forwards (the engine's overhead is what lies outside them).
+        self.forward_seconds = 0.0
 
     def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None:
         self.state = self.model.new_state(len(prompts), capacity)
@@ -35,34 +39,72 @@ class DraftModelProposer:
         if max(map(len, heads)) > 0:
             self.model.forward(pad(heads, self.model.device), self.state, [len(h) for h in heads], keep_logits=False)
 
-    def propose(self, sequences: list[list[int]], k: int) -> Proposal:
+    reports_confidence = True
+
+    def propose(self, sequences: list[list[int]], k: int, min_confidence: float | None = None) -> Proposal:
+        """Draft up to k tokens per row. With `min_confidence`, a row stops before the first
+        token the draft gives less than that probability, and drafting stops once every row
+        has stopped; the confidences are then reported for the adaptive policy."""
         device = self.model.device
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
         outside = [t for p in pending for t in p if t >= self.vocab_size]
         if outside:
             raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
                              f"{self.vocab_size} (a padded id the tokenizer does not have)")
-        self._committed, self._k = [len(seq) for seq in sequences], k
-        logits = self.model.forward(pad(pending, device), self.state, [len(p) for p in pending])
+        self._committed = [len(seq) for seq in sequences]
+        logits = self._forward(pad(pending, device), [len(p) for p in pending])
         rows = torch.arange(len(sequences), device=device)
         logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V)
-        tokens, probs = [], []
+        tokens, probs, confidences = [], [], []
+        lengths = [k] * len(sequences)
         for i in range(k):
             if i:
-                logits = self.model.forward(tokens[-1][:, None], self.state)[:, -1]
+                logits = self._forward(tokens[-1][:, None])[:, -1]
             if self.sampling:
                 q = probabilities(logits, self.temperature, self.top_k, self.top_p)
                 probs.append(q)
                 tokens.append(sample(q, self.generators))
+                confidence = q.gather(1, tokens[-1][:, None])[:, 0] if min_confidence is not None else None
             else:
                 tokens.append(logits.argmax(-1))
-        return Proposal(torch.stack(tokens, 1), [k] * len(sequences), torch.stack(probs, 1) if self.sampling else None)
+                confidence = logits.float().softmax(-1).amax(-1) if min_confidence is not None else None
+            if confidence is not None:
+                values = confidence.tolist()
+                confidences.append(values)
+                for row, value in enumerate(values):
+                    if lengths[row] == k and value < min_confidence:
+                        lengths[row] = i
+                if all(n <= i for n in lengths):
+                    break
+        self._drafted = len(tokens)
+        per_row = [list(row) for row in zip(*confidences)] if confidences else None
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
+
+    def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None) -> torch.Tensor:
+        started = time.perf_counter()
+        logits = self.model.forward(tokens, self.state, num_valid)
+        self.forward_seconds += time.perf_counter() - started
+        return logits
 
     def commit(self, accepted: list[int]) -> None:
-        # The draft has seen the committed prefix plus its first K-1 drafts; keep what the
-        # target kept (at most those K-1: the K-th draft was never fed).
-        keep = [n + min(a, self._k - 1) for n, a in zip(self._committed, accepted)]
+        # The draft has seen the committed prefix plus all its drafts but the last; keep
+        # what the target kept.
+        keep = [n + min(a, self._drafted - 1) for n, a in zip(self._committed, accepted)]
         self.model.rollback(self.state, keep)
+
+    def probe_seconds(self, rows: list[list[int]]) -> float:
+        """Seconds of one drafted token at this batch size (a forward, then rolled back)."""
+        lengths = list(self.state.lengths)
+        tokens = torch.tensor([[row[-1]] for row in rows], device=self.model.device)
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            self.model.forward(tokens, self.state)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            best = min(best, time.perf_counter() - started)
+            self.model.rollback(self.state, lengths)
+        return best
 
     def select_rows(self, rows: list[int]) -> None:
         self.model.select_rows(self.state, rows)

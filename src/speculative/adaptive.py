@@ -1,0 +1,128 @@
+"""Adaptive draft length: choose K at every step to maximise expected tokens per second.
+
+The policy keeps three running estimates, all with exponential forgetting so that it
+follows a workload that changes from easy to hard prompts:
+
+- acceptance per drafted position j: P(token j accepted | tokens before it accepted);
+- costs at the current batch size: a target forward of width T costs v(T) = v1 + s (T - 1)
+  seconds (measured once by two probe forwards, then refined from every step), and a
+  drafted token costs d seconds;
+- acceptance as a function of the draft's confidence (its probability for the token).
+
+Expected tokens of a step with K drafts: E(K) = 1 + sum_{i=1..K} prod_{j<i} alpha_j; cost
+K d + v(K + 1). K maximises E(K) / cost, and K = 0 (a plain target step) wins when
+speculation cannot pay; a step with K = 1 is then still tried every `probe_every` steps
+so that the estimates can recover. Within a step a row stops drafting at a token whose
+confidence predicts an acceptance below break-even, (d + s) / v1: the token would cost
+more than it is expected to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BINS = 10
+
+
+@dataclass
+class Costs:
+    # Seconds of one target forward of width 1, and per extra token of width.
+    v1: float
+    slope: float
+    # Seconds per drafted token.
+    draft: float
+
+    def verify(self, width: int) -> float:
+        return self.v1 + self.slope * (width - 1)
+
+
+@dataclass
+class AdaptivePolicy:
+    # Upper bound on K.
+    max_k: int
+    # Prior acceptance per position before anything is observed (optimistic, so drafting is tried).
+    prior: float = 0.7
+    # Pseudo-observations the prior is worth.
+    prior_weight: float = 2.0
+    # Forgetting factor per observation (0.97: roughly the last 30 observations count).
+    decay: float = 0.97
+    # With K = 0 chosen, draft one token every this many steps to keep learning.
+    probe_every: int = 16
+    accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+    costs: dict[int, Costs] = field(default_factory=dict)
+    conf_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    conf_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    idle_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        self.accepted = self.accepted or [0.0] * self.max_k
+        self.reached = self.reached or [0.0] * self.max_k
+
+    def alpha(self, position: int) -> float:
+        m = self.prior_weight
+        return (self.accepted[position] + m * self.prior) / (self.reached[position] + m)
+
+    def expected_tokens(self, k: int) -> float:
+        total, alive = 1.0, 1.0
+        for j in range(k):
+            alive *= self.alpha(j)
+            total += alive
+        return total
+
+    def choose(self, batch: int) -> int:
+        """K for the next step of a batch of this many rows (needs costs for it)."""
+        costs = self.costs[batch]
+        rates = [self.expected_tokens(k) / (k * costs.draft + costs.verify(k + 1)) for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        if self.min_confidence(batch) >= 1.0:
+            best = 0  # no token could be confident enough to pay for itself
+        if best == 0:
+            self.idle_steps += 1
+            if self.idle_steps % self.probe_every == 0:
+                return 1
+        else:
+            self.idle_steps = 0
+        return best
+
+    def min_confidence(self, batch: int) -> float:
+        """Draft confidence below which a row stops drafting (0 = never stop)."""
+        costs = self.costs[batch]
+        break_even = (costs.draft + costs.slope) / costs.v1
+        for b in range(BINS):  # the lowest bin whose acceptance reaches break-even
+            if self._conf_alpha(b) >= break_even:
+                return b / BINS
+        return 1.0
+
+    def _conf_alpha(self, b: int) -> float:
+        centre = (b + 0.5) / BINS  # prior: a calibrated draft
+        return (self.conf_accepted[b] + self.prior_weight * centre) / (self.conf_reached[b] + self.prior_weight)
+
+    def observe(self, lengths: list[int], accepted: list[int], confidences: list[list[float]] | None) -> None:
+        """Learn from one verification: per row, tokens drafted and tokens kept."""
+        for length, kept in zip(lengths, accepted):
+            for j in range(min(length, kept + 1)):  # positions that were reached
+                self.reached[j] = self.decay * self.reached[j] + 1
+                self.accepted[j] = self.decay * self.accepted[j] + (j < kept)
+        if confidences is None:
+            return
+        for length, kept, row in zip(lengths, accepted, confidences):
+            for j in range(min(length, kept + 1)):
+                b = min(BINS - 1, int(row[j] * BINS))
+                self.conf_reached[b] = self.decay * self.conf_reached[b] + 1
+                self.conf_accepted[b] = self.decay * self.conf_accepted[b] + (j < kept)
+
+    def observe_costs(self, batch: int, width: int, verify_seconds: float, drafted: int, draft_seconds: float,
+                      weight: float = 0.1) -> None:
+        """Refine the cost model of this batch size from one step's timings."""
+        costs = self.costs[batch]
+        predicted = costs.verify(width)
+        if width > 1:
+            # Attribute the error to the width-dependent part, bounded so v(1) stays sane.
+            costs.slope = max(0.0, costs.slope + weight * (verify_seconds - predicted) / (width - 1))
+        else:
+            costs.v1 = (1 - weight) * costs.v1 + weight * verify_seconds
+        if drafted:
+            costs.draft = (1 - weight) * costs.draft + weight * draft_seconds / drafted
