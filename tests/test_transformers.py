@@ -46,8 +46,9 @@ def saved(model, path, tokenizer_vocab=VOCAB, prefix="w"):
 
 
 def reference(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
+    inputs = torch.tensor([ids])  # an explicit mask: generate() would take pad ids for padding
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
 
 

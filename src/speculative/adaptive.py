@@ -54,6 +54,8 @@ class AdaptivePolicy:
     conf_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
     conf_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
     idle_steps: int = 0
+    # True while a probe step runs: it drafts one token whatever the confidence.
+    probing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -77,20 +79,26 @@ class AdaptivePolicy:
         costs = self.costs[batch]
         rates = [self.expected_tokens(k) / (k * costs.draft + costs.verify(k + 1)) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
-        if self.min_confidence(batch) >= 1.0:
+        self.probing = False
+        if self._break_even(costs) >= 1.0:
             best = 0  # no token could be confident enough to pay for itself
         if best == 0:
             self.idle_steps += 1
-            if self.idle_steps % self.probe_every == 0:
-                return 1
-        else:
-            self.idle_steps = 0
+            self.probing = self.idle_steps % self.probe_every == 0
+            return 1 if self.probing else 0
+        self.idle_steps = 0
         return best
+
+    @staticmethod
+    def _break_even(costs: Costs) -> float:
+        """Acceptance probability at which one more drafted token pays for itself."""
+        return (costs.draft + costs.slope) / costs.v1
 
     def min_confidence(self, batch: int) -> float:
         """Draft confidence below which a row stops drafting (0 = never stop)."""
-        costs = self.costs[batch]
-        break_even = (costs.draft + costs.slope) / costs.v1
+        if self.probing:
+            return 0.0
+        break_even = self._break_even(self.costs[batch])
         for b in range(BINS):  # the lowest bin whose acceptance reaches break-even
             if self._conf_alpha(b) >= break_even:
                 return b / BINS

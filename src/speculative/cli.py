@@ -162,12 +162,113 @@ def run_train(args) -> int:
     return 0
 
 
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="compare autoregressive, speculative (each draft, each K, adaptive), n-gram "
+                       "and transformers' own methods on the same prompts",
+                       description="Benchmark in one process: tokens/s (median of --runs after a warm-up), "
+                                   "speedup over autoregressive, acceptance rate, tokens per target forward, "
+                                   "where the time goes, peak memory, and whether the output is identical to "
+                                   "the autoregressive output. The last line of stdout is JSON with --json.")
+    p.add_argument("--target", default="default", help="target model path or preset (default: %(default)s)")
+    p.add_argument("--draft", action="append", default=None, help="a draft (path, preset, or s4d); repeat to "
+                   "compare several (default: the target's shipped drafts, none for other targets)")
+    p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line (default: "
+                   "held-out standard-library functions, for the shipped target)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per method (default: %(default)s)")
+    p.add_argument("--k", default="1,2,4,8", help="fixed K values, comma separated (default: %(default)s)")
+    p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
+    p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")
+    p.add_argument("--no-peers", action="store_true", help="leave out transformers' own methods")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
+    p.add_argument("--plot", default=None, help="write a PNG of speedup and acceptance against K")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.set_defaults(run=run_bench)
+
+
+def bench_prompts(args, tokenizer, limit_tokens: int | None) -> list[list[int]]:
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        bad = [i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)]
+        if bad:
+            raise ValueError(f"{path} line {bad[0] + 1}: each line must be a JSON object with a \"prompt\" string")
+        ids = [tokenizer.chat(r["prompt"]) if r.get("chat") else tokenizer.encode(r["prompt"]) for r in rows]
+    elif args.target == "default":
+        from .train import corpus
+
+        _, held_out = corpus.split_files()
+        ids = [tokenizer.encode(p) for p in corpus.function_prompts(held_out, 10)]
+    else:
+        raise ValueError("--prompts is needed for a target other than the shipped default")
+    ids = ids[:args.limit] if args.limit else ids
+    if limit_tokens is not None:
+        ids = [row[-limit_tokens:] for row in ids]  # keep the end of prompts the model cannot hold
+    return ids
+
+
+def run_bench(args) -> int:
+    from . import load_model, load_tokenizer
+    from .bench import plot, run_bench as bench, table
+
+    ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--k needs positive integers, got {args.k!r}")
+    target = load_model(args.target, device=args.device)
+    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
+    names = args.draft if args.draft is not None else (["default-draft", "default-s4d"]
+                                                        if args.target == "default" else [])
+    drafts = {("default-s4d" if n == "s4d" else n): load_model("default-s4d" if n == "s4d" else n, device=args.device)
+              for n in names if n != "ngram"}
+    limit = target.max_seq_len - args.max_new_tokens - max(ks) - 1 if target.max_seq_len else None
+    prompts = bench_prompts(args, tokenizer, limit)
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
+                   ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
+                   peers=not args.no_peers, log=log)
+    report["target"] = args.target
+    print(table(report))
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a built-in decoder_only model to transformers' Llama format",
+                       description="Write a built-in decoder_only model (e.g. the shipped default verifier) as a "
+                                   "transformers LlamaForCausalLM directory with the very same weights, plus its "
+                                   "tokenizer, so that other tools can run it.")
+    p.add_argument("model", help="model directory or preset (default, default-draft)")
+    p.add_argument("out", help="output directory")
+    p.set_defaults(run=run_export)
+
+
+def run_export(args) -> int:
+    from . import load_model
+    from .export import export_llama
+    from .loading import resolve
+
+    model = load_model(args.model)
+    path = resolve(args.model)
+    tokenizer = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()), None)
+    print(f"exported to {export_llama(model, args.out, tokenizer)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="speculative", description="Speculative decoding: faster generation "
                                      "from a language model, with the same output.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    add_bench(sub)
     add_train(sub)
+    add_export(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -1,0 +1,267 @@
+"""`speculative bench`: every method on the same models, prompts and settings, in one process.
+
+Methods: plain autoregressive decoding (the baseline), speculative decoding with each
+draft at each fixed K and with adaptive K, n-gram drafting, and, when the models are
+transformers models, transformers' own assisted generation and prompt lookup. Each method
+is warmed up, then timed over `runs` passes over all prompts; figures are medians over
+runs, and every greedy output is compared with the autoregressive one, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SpeculativeConfig
+from .decoder import SpeculativeDecoder, autoregressive_generate
+from .models.hf import HFModel
+from .proposers.ngram import NGramProposer
+
+
+class PeakMemory:
+    """Peak resident memory of this process while the block runs (sampled every 2 ms)."""
+
+    def __init__(self):
+        self.peak = self.before = rss_bytes()
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.before = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class Result:
+    name: str
+    draft: str | None = None
+    k: int | None = None
+    adaptive: bool = False
+    tokens_per_second: float = 0.0
+    run_tokens_per_second: list[float] = field(default_factory=list)
+    speedup: float | None = None
+    acceptance_rate: float | None = None
+    tokens_per_forward: float | None = None
+    draft_share: float | None = None
+    verify_share: float | None = None
+    overhead_share: float | None = None
+    predicted_speedup: float | None = None
+    peak_rss_mb: float = 0.0
+    peak_rss_delta_mb: float = 0.0
+    identical: bool | None = None
+    generated_tokens: int = 0
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """Leviathan et al.: (1 - alpha^(K+1)) / ((1 - alpha)(K c + v))."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
+
+
+def time_method(run, prompts, max_new, runs, eos):
+    """Warm up, then `runs` timed passes: (outputs of the last pass, tokens/s per pass, memory)."""
+    run(prompts[0], min(8, max_new), eos)
+    speeds, outputs = [], []
+    with PeakMemory() as memory:
+        for _ in range(runs):
+            outputs, tokens, started = [], 0, time.perf_counter()
+            for ids in prompts:
+                out = run(ids, max_new, eos)
+                outputs.append(out)
+                tokens += len(out)
+            speeds.append(tokens / (time.perf_counter() - started))
+    return outputs, speeds, memory
+
+
+def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
+              ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
+              peers: bool = True, log=print) -> dict:
+    """Benchmark every method; returns a JSON-able dict with one entry per method."""
+    results: list[Result] = []
+
+    def record(result: Result, outputs, speeds, memory, stats=None):
+        result.run_tokens_per_second = [round(s, 2) for s in speeds]
+        result.tokens_per_second = statistics.median(speeds)
+        result.peak_rss_mb = memory.peak / 2 ** 20
+        result.peak_rss_delta_mb = (memory.peak - memory.before) / 2 ** 20
+        result.generated_tokens = sum(map(len, outputs))
+        if reference is not None:
+            result.identical = outputs == reference
+            result.speedup = result.tokens_per_second / results[0].tokens_per_second
+        if stats is not None and stats.total_seconds > 0:
+            result.acceptance_rate = stats.acceptance_rate
+            result.tokens_per_forward = stats.tokens_per_forward
+            decode = stats.total_seconds - stats.prefill_seconds
+            result.draft_share = stats.draft_forward_seconds / decode
+            result.verify_share = stats.target_forward_seconds / decode
+            result.overhead_share = stats.overhead_seconds / decode
+        results.append(result)
+        log(f"  {result.name}: {result.tokens_per_second:.1f} tokens/s"
+            + (f", {result.speedup:.2f}x" if result.speedup else ""))
+
+    reference = None
+    log(f"autoregressive baseline ({len(prompts)} prompts, {max_new} new tokens, {runs} runs)")
+    outputs, speeds, memory = time_method(lambda ids, n, e: autoregressive_generate(target, ids, n, eos_token_id=e),
+                                          prompts, max_new, runs, eos)
+    record(Result("autoregressive"), outputs, speeds, memory)
+    reference = outputs
+    results[0].identical, results[0].speedup = True, 1.0
+    seconds_per_token = 1 / results[0].tokens_per_second
+
+    def speculative(name, draft, draft_name, k, is_adaptive):
+        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive))
+        run = lambda ids, n, e: decoder.generate(ids, n, e)  # noqa: E731
+        run(prompts[0], min(8, max_new), eos)  # warm-up: also lets adaptive K measure its costs
+        decoder.reset_stats()
+        outputs, speeds, memory = time_method(run, prompts, max_new, runs, eos)
+        result = Result(name, draft=draft_name, k=k, adaptive=is_adaptive)
+        record(result, outputs, speeds, memory, decoder.stats)
+        stats = decoder.stats
+        if not is_adaptive and stats.drafted and stats.target_forwards:
+            c = stats.draft_forward_seconds / stats.drafted / seconds_per_token
+            v = stats.target_forward_seconds / stats.target_forwards / seconds_per_token
+            result.predicted_speedup = predicted_speedup(stats.acceptance_rate, k, c, v)
+
+    for draft_name, draft in drafts.items():
+        for k in ks:
+            speculative(f"{draft_name} K={k}", draft, draft_name, k, False)
+        if adaptive:
+            speculative(f"{draft_name} adaptive (K<={max(ks)})", draft, draft_name, max(ks), True)
+    if ngram:
+        for k in sorted({min(ks), max(ks)}):
+            speculative(f"ngram K={k}", NGramProposer(num_draft_tokens=k), "ngram", k, False)
+        if adaptive:
+            speculative(f"ngram adaptive (K<={max(ks)})", NGramProposer(num_draft_tokens=max(ks)), "ngram", max(ks),
+                        True)
+    if peers and isinstance(target, HFModel):
+        for name, kwargs in hf_methods(drafts, max(ks)):
+            run = hf_generate(target, kwargs)
+            outputs, speeds, memory = time_method(run, prompts, max_new, runs, eos)
+            record(Result(name, draft=kwargs.get("draft_name")), outputs, speeds, memory)
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
+            "max_new_tokens": max_new, "runs": runs, "methods": [r.__dict__ for r in results]}
+
+
+def hf_methods(drafts: dict, k_max: int):
+    """transformers' own speculative methods: prompt lookup, and assisted generation with
+    each transformers draft under its two schedules."""
+    yield "transformers prompt lookup (10)", {"prompt_lookup_num_tokens": 10}
+    for name, draft in drafts.items():
+        if isinstance(draft, HFModel):
+            yield f"transformers assisted {name} (heuristic)", {
+                "assistant_model": draft.model, "draft_name": name, "num_assistant_tokens": 5,
+                "num_assistant_tokens_schedule": "heuristic", "assistant_confidence_threshold": 0.0}
+            yield f"transformers assisted {name} (confidence 0.4)", {
+                "assistant_model": draft.model, "draft_name": name, "num_assistant_tokens": 20,
+                "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4}
+
+
+def hf_generate(target: HFModel, kwargs: dict):
+    kwargs = {k: v for k, v in kwargs.items() if k != "draft_name"}
+    assistant = kwargs.pop("assistant_model", None)
+    schedule = {k: kwargs.pop(k) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                          "assistant_confidence_threshold") if k in kwargs}
+
+    def run(ids, n, eos):
+        if assistant is not None:
+            for key, value in schedule.items():  # transformers reads these from the assistant's config
+                setattr(assistant.generation_config, key, value)
+        inputs = torch.tensor([ids], device=target.device)
+        with torch.inference_mode():  # an explicit mask: generate() would take pad ids for padding
+            out = target.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
+                                        do_sample=False, assistant_model=assistant, eos_token_id=eos,
+                                        pad_token_id=eos[0] if eos else 0, **kwargs)
+        return out[0, len(ids):].tolist()
+
+    return run
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def table(report: dict) -> str:
+    """The results as a table for people (rich), as plain text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    grid = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, median of "
+                       f"{report['runs']} runs ({report['machine']})")
+    for column in ("method", "tokens/s", "speedup", "predicted", "alpha", "tau", "draft %", "verify %",
+                   "overhead %", "peak MB", "identical"):
+        grid.add_column(column, justify="left" if column == "method" else "right")
+
+    def fmt(value, pattern="{:.2f}", scale=1.0):
+        return "-" if value is None else pattern.format(value * scale)
+
+    for m in report["methods"]:
+        grid.add_row(m["name"], fmt(m["tokens_per_second"], "{:.1f}"), fmt(m["speedup"], "{:.2f}x"),
+                     fmt(m["predicted_speedup"], "{:.2f}x"), fmt(m["acceptance_rate"]), fmt(m["tokens_per_forward"]),
+                     fmt(m["draft_share"], "{:.0f}", 100), fmt(m["verify_share"], "{:.0f}", 100),
+                     fmt(m["overhead_share"], "{:.0f}", 100), fmt(m["peak_rss_mb"], "{:.0f}"),
+                     {True: "yes", False: "NO", None: "-"}[m["identical"]])
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+    console.print(grid)
+    return console.export_text()
+
+
+def plot(report: dict, path) -> None:
+    """Speedup and acceptance against K per draft, with the speedup the formula predicts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_alpha) = plt.subplots(1, 2, figsize=(11, 4))
+    drafts = sorted({m["draft"] for m in report["methods"] if m["k"] is not None and not m["adaptive"]})
+    for draft in drafts:
+        rows = sorted((m for m in report["methods"] if m["draft"] == draft and not m["adaptive"] and m["k"]),
+                      key=lambda m: m["k"])
+        ks = [m["k"] for m in rows]
+        line, = ax_speed.plot(ks, [m["speedup"] for m in rows], "o-", label=f"{draft} measured")
+        if any(m["predicted_speedup"] for m in rows):
+            ax_speed.plot(ks, [m["predicted_speedup"] or float("nan") for m in rows], "--", color=line.get_color(),
+                          label=f"{draft} predicted")
+        ax_alpha.plot(ks, [m["acceptance_rate"] for m in rows], "o-", color=line.get_color(), label=draft)
+        adaptive = [m for m in report["methods"] if m["draft"] == draft and m["adaptive"]]
+        for m in adaptive:
+            ax_speed.axhline(m["speedup"], color=line.get_color(), linestyle=":", label=f"{draft} adaptive")
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    ax_speed.set(xlabel="K (drafted tokens per step)", ylabel="speedup over autoregressive", title="Speedup")
+    ax_alpha.set(xlabel="K", ylabel="acceptance rate alpha", title="Acceptance", ylim=(0, 1.05))
+    ax_speed.legend(fontsize=7)
+    ax_alpha.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
