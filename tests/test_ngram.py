@@ -9,7 +9,7 @@ from test_greedy import CountingModel
 
 def propose(proposer, seq, k=10):
     proposer.start([seq], 0, [])
-    out = proposer.propose([seq], k)
+    out = proposer.propose([seq], [k])
     return out.tokens[0, :out.lengths[0]].tolist()
 
 

@@ -138,7 +138,8 @@ class SpeculativeDecoder:
         draft_gens = make_generators([draft_seed(s) for s in seeds], target.device)
         capacity = max(len(p) + m for p, m in zip(prompts, budgets)) + cfg.num_draft_tokens + 1
         # A seed pins K: adaptive K follows timings, which would make sampled output vary.
-        policy = self.policy if cfg.adaptive and not (cfg.sampling and cfg.seed is not None) else None
+        seeded = cfg.seed is not None or seeds is not None
+        policy = self.policy if cfg.adaptive and not (cfg.sampling and seeded) else None
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -168,9 +169,10 @@ class SpeculativeDecoder:
                 if policy is not None and len(rows) not in policy.costs:
                     policy.costs[len(rows)] = self._measure_costs(state, rows)
                 k = cfg.num_draft_tokens if policy is None else policy.choose(len(rows))
-                k = min(k, max(remaining) - 1)
+                # Each row drafts at most what it can still use, whatever the rest of the batch.
+                limits = [max(0, min(k, left - 1)) for left in remaining]
                 min_confidence = None if policy is None else policy.min_confidence(len(rows))
-                proposal, draft_seconds = self._propose(rows, k, min_confidence)
+                proposal, draft_seconds = self._propose(rows, limits, min_confidence)
                 accepted, extra, verify_seconds = self._verify(state, rows, proposal, target_gens)
             stats.target_forwards += 1
             stats.record_step(proposal.lengths, accepted)
@@ -188,23 +190,24 @@ class SpeculativeDecoder:
                 events.append((r, new))
             with torch.inference_mode():
                 target.rollback(state, [len(sequences[r]) - 1 for r in active])
-                if proposal.tokens.shape[1] > 0 or k > 0:
+                if max(limits) > 0:
                     proposer.commit(accepted)
             stats.total_seconds += time.perf_counter() - started
             yield from events
 
-    def _propose(self, rows: list[list[int]], k: int, min_confidence: float | None) -> tuple[Proposal, float]:
-        """Drafts for this step, cut to the longest row's draft: no row drafting means a
-        plain one-token target step, with nothing wasted. Also returns the seconds spent."""
-        if k <= 0:
+    def _propose(self, rows: list[list[int]], limits: list[int], min_confidence: float | None):
+        """Drafts for this step (at most limits[b] for row b), cut to the longest row's draft:
+        no row drafting means a plain one-token target step, with nothing wasted. Returns the
+        proposal and the seconds spent."""
+        if max(limits) <= 0:
             empty = torch.zeros((len(rows), 0), dtype=torch.long, device=self.main_model.device)
             return Proposal(empty, [0] * len(rows)), 0.0
         started = time.perf_counter()
         forward_before = getattr(self.proposer, "forward_seconds", 0.0)
         if min_confidence is not None and getattr(self.proposer, "reports_confidence", False):
-            proposal = self.proposer.propose(rows, k, min_confidence=min_confidence)
+            proposal = self.proposer.propose(rows, limits, min_confidence=min_confidence)
         else:
-            proposal = self.proposer.propose(rows, k)
+            proposal = self.proposer.propose(rows, limits)
         seconds = time.perf_counter() - started
         self.stats.draft_seconds += seconds
         self.stats.draft_forward_seconds += getattr(self.proposer, "forward_seconds", 0.0) - forward_before
@@ -222,12 +225,11 @@ class SpeculativeDecoder:
         last = torch.tensor([[row[-1]] for row in rows], device=target.device)
         logits = target.forward(torch.cat([last, proposal.tokens], 1), state)  # (B, K+1, V)
         self.stats.target_forward_seconds += time.perf_counter() - started
-        lengths = torch.tensor(proposal.lengths, device=target.device)
         if cfg.sampling:
             p = probabilities(logits, cfg.main_temperature, cfg.top_k, cfg.top_p)
-            accepted, extra = rejection_verify(proposal.tokens, lengths, proposal.probs, p, generators)
+            accepted, extra = rejection_verify(proposal.tokens, proposal.lengths, proposal.probs, p, generators)
         else:
-            accepted, extra = greedy_verify(proposal.tokens, lengths, logits)
+            accepted, extra = greedy_verify(proposal.tokens, proposal.lengths, logits)
         accepted, extra = accepted.tolist(), extra.tolist()
         seconds = time.perf_counter() - started
         self.stats.verify_seconds += seconds

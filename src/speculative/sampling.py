@@ -34,23 +34,30 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = 
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def sample(probs: torch.Tensor, generators: list[torch.Generator], active: list[bool] | None = None) -> torch.Tensor:
     """Draw one token per row of probs (B, V), row b from generators[b]: (B,) long.
 
     Inverse-CDF sampling with one uniform per row: one generator per row keeps each row's
     draws independent of the rest of the batch, and a single vectorized search serves all.
+    Rows that are not `active` draw nothing from their generator (their token is padding).
     """
     cdf = probs.double().cumsum(-1)  # (B, V)
-    u = uniform(probs.shape[0], 1, generators, probs.device).double() * cdf[:, -1:]  # (B, 1)
+    counts = [1] * len(generators) if active is None else [int(a) for a in active]
+    u = uniform(counts, 1, generators, probs.device).double() * cdf[:, -1:]  # (B, 1)
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)
     # Rounding can push u past the last cdf step: fall back to the last token with mass.
     last_with_mass = (probs > 0).long().cumsum(-1).argmax(-1)
     return torch.minimum(tokens, last_with_mass)
 
 
-def uniform(batch: int, width: int, generators: list[torch.Generator], device) -> torch.Tensor:
-    """(B, width) uniforms in [0, 1), row b drawn from generators[b]."""
-    return torch.stack([torch.rand(width, generator=gen, device=device) for gen in generators[:batch]])
+def uniform(counts: list[int], width: int, generators: list[torch.Generator], device) -> torch.Tensor:
+    """(B, width) uniforms: row b draws counts[b] values in [0, 1) from generators[b] and is
+    padded with 1.0. Drawing only what a row uses keeps its stream independent of the batch."""
+    rows = []
+    for count, gen in zip(counts, generators):
+        drawn = torch.rand(count, generator=gen, device=device)
+        rows.append(torch.cat([drawn, torch.ones(width - count, device=device)]))
+    return torch.stack(rows)
 
 
 def make_generators(seeds: list[int | None], device) -> list[torch.Generator]:

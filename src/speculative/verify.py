@@ -28,17 +28,17 @@ def accept_reject(draft_tokens, verifier_tokens) -> torch.Tensor:
     return match.cumprod(-1).sum(-1)
 
 
-def _valid(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor) -> torch.Tensor:
+def _valid(draft_tokens: torch.Tensor, draft_lengths: list[int]) -> torch.Tensor:
     """(B, K) mask of drafted positions that exist (rows may draft fewer than K tokens)."""
     positions = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)
-    return positions[None, :] < draft_lengths[:, None]
+    return positions[None, :] < torch.tensor(draft_lengths, device=draft_tokens.device)[:, None]
 
 
-def greedy_verify(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
+def greedy_verify(draft_tokens: torch.Tensor, draft_lengths: list[int],
                   target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep drafted tokens while they equal the target's argmax.
 
-    draft_tokens (B, K), draft_lengths (B,), target_logits (B, K+1, V).
+    draft_tokens (B, K), draft_lengths (tokens drafted per row), target_logits (B, K+1, V).
     Returns accepted (B,) and the next token (B,): the target's argmax after the kept prefix.
     """
     target_tokens = target_logits.argmax(-1)  # (B, K+1)
@@ -47,7 +47,7 @@ def greedy_verify(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
     return accepted, target_tokens.gather(1, accepted[:, None]).squeeze(1)
 
 
-def rejection_verify(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
+def rejection_verify(draft_tokens: torch.Tensor, draft_lengths: list[int],
                      draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023).
@@ -71,13 +71,13 @@ def rejection_verify(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor,
         q_drafted = torch.ones_like(p_drafted)
     else:
         q_drafted = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, K)
-    u = uniform(batch, k, generators, draft_tokens.device)
+    u = uniform(draft_lengths, k, generators, draft_tokens.device)  # one draw per drafted token
     keep = (u * q_drafted < p_drafted) & _valid(draft_tokens, draft_lengths)
     accepted = keep.long().cumprod(-1).sum(-1)
 
     rows = torch.arange(batch, device=draft_tokens.device)
     p_next = target_probs[rows, accepted]  # (B, V)
-    rejected = accepted < draft_lengths
+    rejected = accepted < torch.tensor(draft_lengths, device=accepted.device)
     if bool(rejected.any()):
         at = accepted.clamp(max=k - 1)
         if draft_probs is None:

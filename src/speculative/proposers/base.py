@@ -1,7 +1,7 @@
 """The proposer interface: whatever drafts tokens for the target to verify.
 
-Two calls per step, as in transformers' candidate generators: `propose` drafts up to k
-tokens per row from the committed sequences, `commit` learns how many the target kept so
+Two calls per step, as in transformers' candidate generators: `propose` drafts up to
+limits[b] tokens for row b from the committed sequences, `commit` learns how many the target kept so
 the proposer can roll back. `start` prepares a batch and `select_rows` drops finished rows.
 """
 
@@ -31,7 +31,7 @@ class Proposer(Protocol):
 
     def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None: ...
 
-    def propose(self, sequences: list[list[int]], k: int) -> Proposal: ...
+    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal: ...
 
     def commit(self, accepted: list[int]) -> None: ...
 

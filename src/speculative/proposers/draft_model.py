@@ -41,10 +41,10 @@ class DraftModelProposer:
 
     reports_confidence = True
 
-    def propose(self, sequences: list[list[int]], k: int, min_confidence: float | None = None) -> Proposal:
-        """Draft up to k tokens per row. With `min_confidence`, a row stops before the first
-        token the draft gives less than that probability, and drafting stops once every row
-        has stopped; the confidences are then reported for the adaptive policy."""
+    def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
+        """Draft up to limits[b] tokens for row b. With `min_confidence`, a row stops before
+        the first token the draft gives less than that probability, and drafting stops once
+        every row has stopped; the confidences are then reported for the adaptive policy."""
         device = self.model.device
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
         outside = [t for p in pending for t in p if t >= self.vocab_size]
@@ -56,14 +56,14 @@ class DraftModelProposer:
         rows = torch.arange(len(sequences), device=device)
         logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V)
         tokens, probs, confidences = [], [], []
-        lengths = [k] * len(sequences)
-        for i in range(k):
+        lengths = list(limits)
+        for i in range(max(limits)):
             if i:
                 logits = self._forward(tokens[-1][:, None])[:, -1]
             if self.sampling:
                 q = probabilities(logits, self.temperature, self.top_k, self.top_p)
                 probs.append(q)
-                tokens.append(sample(q, self.generators))
+                tokens.append(sample(q, self.generators, [i < n for n in limits]))
                 confidence = q.gather(1, tokens[-1][:, None])[:, 0] if min_confidence is not None else None
             else:
                 tokens.append(logits.argmax(-1))
@@ -72,7 +72,7 @@ class DraftModelProposer:
                 values = confidence.tolist()
                 confidences.append(values)
                 for row, value in enumerate(values):
-                    if lengths[row] == k and value < min_confidence:
+                    if lengths[row] == limits[row] > i and value < min_confidence:
                         lengths[row] = i
                 if all(n <= i for n in lengths):
                     break

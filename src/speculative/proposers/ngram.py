@@ -62,14 +62,14 @@ class NGramProposer:
     def start(self, prompts: list[list[int]], capacity: int, generators) -> None:
         self.rows = [_RowIndex(self.min_ngram, self.max_ngram) for _ in prompts]
 
-    def propose(self, sequences: list[list[int]], k: int) -> Proposal:
-        k = min(k, self.num_draft_tokens)
+    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal:
         drafts = []
-        for index, seq in zip(self.rows, sequences):
+        for index, seq, limit in zip(self.rows, sequences, limits):
+            k = min(limit, self.num_draft_tokens)
             index.update(seq, len(seq))
             # Indexed n-grams end before len(seq): the suffix never matches itself.
             end, n = index.lookup(seq)
-            if end < 0:
+            if end < 0 or k <= 0:
                 drafts.append([])
                 continue
             budget = max(self.min_draft, (k * n) // self.max_ngram)
