@@ -48,7 +48,9 @@ def add_generate(sub) -> None:
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
-    group.add_argument("--prompt-file", help="file whose text is the prompt")
+    group.add_argument("--prompt-file", help="file whose text is the prompt; a .jsonl file holds several "
+                       "prompts, one {\"prompt\": ..., \"max_new_tokens\": optional} object per line, generated "
+                       "in batches and printed as JSON lines in input order")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per step "
@@ -64,6 +66,8 @@ def add_generate(sub) -> None:
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up by --draft ngram "
                    "(default: %(default)s)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram looked up (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together from a .jsonl "
+                   "--prompt-file (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.set_defaults(run=run_generate)
@@ -75,20 +79,23 @@ def run_generate(args) -> int:
     target = load_model(args.target, device=args.device)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(args.draft, args.target, args.device, args)
-    if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
-        text = path.read_text(encoding="utf-8")
-    else:
-        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    ids = tokenizer.chat(text) if args.chat else tokenizer.encode(text)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed)
     decoder = SpeculativeDecoder(target, draft, config)
     eos = tokenizer.eos_token_ids or None
+    encode = tokenizer.chat if args.chat else tokenizer.encode
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        if path.suffix == ".jsonl":
+            return generate_batches(decoder, tokenizer, encode, read_jsonl(path), args, eos)
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    ids = encode(text)
     started = time.perf_counter()
     if args.stream:
         out: list[int] = []
@@ -106,6 +113,40 @@ def run_generate(args) -> int:
         out = decoder.generate(ids, args.max_new_tokens, eos)
         print(text + tokenizer.decode(out))
     print(stats_line(decoder.stats, time.perf_counter() - started))
+    return 0
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {number} is not JSON: {error}") from error
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path} line {number}: each line must be an object with a \"prompt\" string")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
+
+
+def generate_batches(decoder, tokenizer, encode, rows: list[dict], args, eos) -> int:
+    """Decode the prompts `--batch-size` at a time; print JSON lines in input order."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    ids = [encode(row["prompt"]) for row in rows]
+    budgets = [int(row.get("max_new_tokens", args.max_new_tokens)) for row in rows]
+    seeds = None if args.seed is None else [args.seed + i for i in range(len(rows))]
+    started = time.perf_counter()
+    for start in range(0, len(rows), args.batch_size):
+        chunk = slice(start, start + args.batch_size)
+        outs = decoder.generate(ids[chunk], budgets[chunk], eos, seeds=None if seeds is None else seeds[chunk])
+        for index, out in enumerate(outs, start):
+            print(json.dumps({"index": index, "completion": tokenizer.decode(out), "tokens": len(out)}))
+    print(stats_line(decoder.stats, time.perf_counter() - started), file=sys.stderr)  # stdout stays JSON lines
     return 0
 
 
