@@ -265,3 +265,44 @@ def plot(report: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2, 4, 8, 16), max_new: int = 64,
+                     runs: int = 3, k: int = 4, eos=None, log=print) -> dict:
+    """Total tokens/s across a batch: batched autoregressive against speculative decoding
+    (fixed K and adaptive), per batch size. Rows cycle through the prompts."""
+    rows = []
+    for size in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(size)]
+        entry = {"batch_size": size}
+        methods = {
+            "autoregressive": lambda: autoregressive_generate(target, batch, max_new, eos_token_id=eos),
+            f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k,
+                                                                                      adaptive=False)),
+            "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k)),
+        }
+        reference = None
+        for name, method in methods.items():
+            run = method if callable(method) else (lambda d=method: d.generate(batch, max_new, eos))
+            run()  # warm-up (adaptive K measures its costs at this batch size here)
+            if not callable(method):
+                method.reset_stats()
+            speeds = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                outputs = run()
+                speeds.append(sum(map(len, outputs)) / (time.perf_counter() - started))
+            reference = outputs if reference is None else reference
+            entry[name] = {"tokens_per_second": statistics.median(speeds), "identical": outputs == reference}
+            if not callable(method):
+                entry[name]["acceptance_rate"] = method.stats.acceptance_rate
+                entry[name]["tokens_per_forward"] = method.stats.tokens_per_forward
+                entry[name]["drafted_per_step"] = method.stats.drafted / max(1, method.stats.target_forwards)
+        base = entry["autoregressive"]["tokens_per_second"]
+        for name in methods:
+            entry[name]["speedup"] = entry[name]["tokens_per_second"] / base
+        log(f"  batch {size}: " + ", ".join(f"{n} {entry[n]['tokens_per_second']:.1f} tok/s "
+                                              f"({entry[n]['speedup']:.2f}x)" for n in methods))
+        rows.append(entry)
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": max_new, "runs": runs,
+            "k": k, "rows": rows}
