@@ -44,10 +44,11 @@ def split_files(max_files: int | None = None, root: Path | None = None) -> tuple
     if max_files is not None and max_files < len(files):
         step = len(files) / max_files
         files = [files[int(i * step)] for i in range(max_files)]
+    files = [f for f in files if f.stat().st_size > 0]
     held = [f for f in files if is_held_out(f, root)]
     train = [f for f in files if not is_held_out(f, root)]
-    if not held and train:  # tiny subsets still need something to evaluate on
-        held = [train.pop()]
+    if not held and len(train) > 1:  # tiny subsets still need something to evaluate on
+        held = [train.pop(max(range(len(train)), key=lambda i: train[i].stat().st_size))]
     return train, held
 
 

@@ -145,7 +145,7 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
             bar.reset(total=total)
             bar.update(step)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", refresh=False)
         if time.perf_counter() - last_save > cfg.checkpoint_minutes * 60:
             save()
             last_save = time.perf_counter()

@@ -89,7 +89,8 @@ def run_training(opts: TrainOptions) -> dict:
                                               teacher=verifier, seed=2)
 
     print("report: held-out perplexity and greedy acceptance at K = 4")
-    room = opts.seq_len - opts.eval_new_tokens  # keep the end of each prompt that fits the models
+    new_tokens = min(opts.eval_new_tokens, opts.seq_len // 2)
+    room = opts.seq_len - new_tokens  # keep the end of each prompt that fits the models
     prompts = [tokenizer.encode(p).ids[-room:] for p in corpus.function_prompts(held_files, opts.eval_prompts)]
     models = {"verifier": verifier, "draft": draft, "draft_data_only": draft_data, "draft_s4d": draft_s4d}
     report = {"corpus": {"train_files": len(train_files), "held_out_files": len(held_files),
@@ -99,7 +100,7 @@ def run_training(opts: TrainOptions) -> dict:
         entry = {"parameters": sum(p.numel() for p in model.parameters()), "training": summaries[name],
                  "held_out_perplexity": round(perplexity(model, held_ids, opts.seq_len), 3)}
         if name != "verifier":
-            entry["greedy"] = acceptance(verifier, model, prompts, opts.eval_new_tokens)
+            entry["greedy"] = acceptance(verifier, model, prompts, new_tokens)
         report["models"][name] = entry
         print(f"  {name:16s} {entry['parameters'] / 1e6:6.2f}M params  perplexity {entry['held_out_perplexity']:8.2f}"
               + (f"  alpha {entry['greedy']['acceptance_rate']:.3f}  tau {entry['greedy']['tokens_per_forward']:.2f}"

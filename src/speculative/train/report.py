@@ -23,6 +23,8 @@ def perplexity(model, data: torch.Tensor, seq_len: int = 512, max_tokens: int = 
         logits = model(window[:, :-1]).float()
         total += float(F.cross_entropy(logits[0], window[0, 1:], reduction="sum"))
         count += window.shape[1] - 1
+    if count == 0:
+        raise ValueError("no held-out tokens to measure perplexity on")
     return math.exp(total / count)
 
 
