@@ -147,3 +147,18 @@ def test_the_g_test_detects_a_wrong_distribution(models):
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
     assert g_test_pvalue(counts, exact_joint(target, SpeculativeConfig(adaptive=False, greedy_verification=False))) < P_MIN
+
+
+def test_batch_of_one_is_lossless_too(models):
+    """The draws above run as batches of 5,000 rows; here one sequence at a time (fewer
+    draws, so the first two tokens only: 64 cells)."""
+    draft, target = models
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    decoder = SpeculativeDecoder(target, draft, config)
+    draws = 3_000
+    counts = torch.zeros(VOCAB ** 2)
+    for seed in range(draws):
+        first, second = decoder.generate(PROMPT, 2, seeds=[seed])
+        counts[first * VOCAB + second] += 1
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config).sum(-1)) > P_MIN
