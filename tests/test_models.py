@@ -134,5 +134,17 @@ def test_load_model_errors(tmp_path):
     save_model(tiny("decoder_only"), tmp_path / "m")
     config = (tmp_path / "m" / "config.json")
     config.write_text(config.read_text().replace('"hidden_size": 32', '"hidden_size": 64'))
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="do not match"):
         load_model(tmp_path / "m")
+
+
+def test_large_weights_are_saved_in_shards(tmp_path, monkeypatch):
+    import speculative.models as models
+
+    monkeypatch.setattr(models, "SHARD_BYTES", 20_000)
+    model = tiny("decoder_only", seed=7)
+    save_model(model, tmp_path / "m")
+    shards = sorted(p.name for p in (tmp_path / "m").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    ids = tokens(9)
+    torch.testing.assert_close(run(load_model(tmp_path / "m"), [ids])[0], run(model, [ids])[0])

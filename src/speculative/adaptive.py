@@ -4,9 +4,10 @@ The policy keeps three running estimates, all with exponential forgetting so tha
 follows a workload that changes from easy to hard prompts:
 
 - acceptance per drafted position j: P(token j accepted | tokens before it accepted);
-- costs at the current batch size: a target forward of width T costs v(T) = v1 + s (T - 1)
-  seconds (measured once by two probe forwards, then refined from every step), and a
-  drafted token costs d seconds;
+- costs at the current batch size: a target forward of width 1 costs v1 seconds, and of
+  width T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row
+  product is a matrix-vector kernel of its own); first from probe forwards, then from
+  every step; a drafted token costs d seconds;
 - acceptance as a function of the draft's confidence (its probability for the token).
 
 Expected tokens of a step with K drafts: E(K) = 1 + sum_{i=1..K} prod_{j<i} alpha_j; cost
@@ -26,14 +27,39 @@ BINS = 10
 
 @dataclass
 class Costs:
-    # Seconds of one target forward of width 1, and per extra token of width.
+    """Seconds of target forwards by width, and of one drafted token."""
+
+    # Width 1 (a plain step).
     v1: float
-    slope: float
     # Seconds per drafted token.
     draft: float
+    # Decayed sums (weight, x, y, xx, xy) of a least-squares line through (width, seconds), width >= 2.
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+
+    def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95) -> None:
+        if width == 1:
+            self.v1 = decay * self.v1 + (1 - decay) * seconds
+            return
+        point = (1.0, width, seconds, width * width, width * seconds)
+        self.sums = [decay * s + weight * p for s, p in zip(self.sums, point)]
+
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope) of the fit for widths >= 2; slope never negative."""
+        n, x, y, xx, xy = self.sums
+        spread = n * xx - x * x
+        slope = max(0.0, (n * xy - x * y) / spread) if spread > 1e-12 else 0.0
+        return (y - slope * x) / n, slope
+
+    @property
+    def slope(self) -> float:
+        """Seconds per extra token of width."""
+        return self.line()[1]
 
     def verify(self, width: int) -> float:
-        return self.v1 + self.slope * (width - 1)
+        if width == 1:
+            return self.v1
+        intercept, slope = self.line()
+        return max(self.v1, intercept + slope * width)
 
 
 @dataclass
@@ -126,11 +152,6 @@ class AdaptivePolicy:
                       weight: float = 0.1) -> None:
         """Refine the cost model of this batch size from one step's timings."""
         costs = self.costs[batch]
-        predicted = costs.verify(width)
-        if width > 1:
-            # Attribute the error to the width-dependent part, bounded so v(1) stays sane.
-            costs.slope = max(0.0, costs.slope + weight * (verify_seconds - predicted) / (width - 1))
-        else:
-            costs.v1 = (1 - weight) * costs.v1 + weight * verify_seconds
+        costs.add(width, verify_seconds)
         if drafted:
             costs.draft = (1 - weight) * costs.draft + weight * draft_seconds / drafted

@@ -241,8 +241,9 @@ class SpeculativeDecoder:
         target, k = self.main_model, self.config.num_draft_tokens
         lengths = list(state.lengths)
         last = torch.tensor([[row[-1]] for row in rows], device=target.device)
+        widths = sorted({1, 2, k + 1})
         seconds = {}
-        for width in (1, k + 1, 1, k + 1):  # twice each: the first call may allocate
+        for width in widths * 2:  # twice each: the first call may allocate
             started = time.perf_counter()
             target.forward(last.repeat(1, width), state)
             synchronize(target.device)
@@ -250,8 +251,10 @@ class SpeculativeDecoder:
             seconds[width] = min(seconds.get(width, elapsed), elapsed)
             target.rollback(state, lengths)
         probe = getattr(self.proposer, "probe_seconds", None)
-        draft = probe(rows) if probe is not None else 1e-5
-        return Costs(v1=seconds[1], slope=max(0.0, (seconds[k + 1] - seconds[1]) / k), draft=draft)
+        costs = Costs(v1=seconds[1], draft=probe(rows) if probe is not None else 1e-5)
+        for width in widths[1:]:
+            costs.add(width, seconds[width], weight=3.0)  # worth a few observed steps
+        return costs
 
 
 def synchronize(device) -> None:

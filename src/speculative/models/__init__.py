@@ -17,6 +17,9 @@ DEFAULT_DRAFT_OPTS = {"hidden_size": 128, "num_layers": 2}
 DEFAULT_VERIFIER_OPTS = {"hidden_size": 512, "num_layers": 8}
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# Weights above this size are split into shards (model-00001-of-00002.safetensors, ...),
+# which keeps every file of the shipped models small enough for any git host.
+SHARD_BYTES = 16 * 2 ** 20
 
 
 def build_model(model_type: str, vocab_size: int, opts: dict | None = None, seed: int | None = None):
@@ -80,7 +83,19 @@ def save_model(model, directory, weight_dtype: torch.dtype | None = None) -> Pat
     if weight_dtype is not None:
         tensors = {n: t.to(weight_dtype) if n.endswith(".weight") else t for n, t in tensors.items()}
     dtype = str(tensors["embed_tokens.weight"].dtype).removeprefix("torch.")
-    save_file(tensors, str(directory / WEIGHTS_FILE))
+    shards, size = [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for old in directory.glob("model*.safetensors"):
+        old.unlink()
+    for i, shard in enumerate(shards, 1):
+        name = WEIGHTS_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name))
     config = {"model_type": model.model_type, "dtype": dtype, **model.options()}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory
@@ -91,16 +106,19 @@ def load_builtin(directory, device="cpu", dtype: torch.dtype | None = torch.floa
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; a built-in model directory holds "
-                                    f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+    config_path = directory / CONFIG_FILE
+    weight_files = sorted(directory.glob("model*.safetensors"))
+    if not config_path.is_file() or not weight_files:
+        missing = config_path if not config_path.is_file() else directory / WEIGHTS_FILE
+        raise FileNotFoundError(f"{missing} does not exist; a built-in model directory holds "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE} (or its shards)")
     config = json.loads(config_path.read_text())
     model_type = config.pop("model_type", None)
     config.pop("dtype", None)
     model = build_model(model_type, config.pop("vocab_size"), config)
-    tensors = load_file(str(weights_path))
+    tensors = {}
+    for path in weight_files:
+        tensors.update(load_file(str(path)))
     if model.cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
     expected = model.state_dict()
@@ -108,7 +126,7 @@ def load_builtin(directory, device="cpu", dtype: torch.dtype | None = torch.floa
     problems += [f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
                  if k in tensors and tensors[k].shape != v.shape]
     if problems:
-        raise ValueError(f"{weights_path} does not match {config_path}: {'; '.join(problems[:5])}")
+        raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
     model.load_state_dict(tensors)
     return model.to(device=device, dtype=dtype)
 

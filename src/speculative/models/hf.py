@@ -50,6 +50,22 @@ class HFModel:
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._head = self._plain_head(model, config)
+
+    @staticmethod
+    def _plain_head(model, config):
+        """The output layer, when logits are nothing but `hidden @ W.T (+ b)`, else None.
+
+        Scoring K+1 rows at once, `W @ hidden.T` runs several times faster on CPUs than
+        the usual `hidden @ W.T` for a 262k-token vocabulary (a better GEMM shape); models
+        that scale or cap their logits keep their own path."""
+        head = model.get_output_embeddings()
+        special = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+                   if getattr(config, a, None) not in (None, 1, 1.0)]
+        base = getattr(model, "base_model", None)
+        if special or not isinstance(head, torch.nn.Linear) or base is None or base is model:
+            return None
+        return head
 
     @property
     def device(self) -> torch.device:
@@ -91,13 +107,22 @@ class HFModel:
         positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
         masks, keys_pos = self._masks(state, positions)
         mask = masks if len(self.layer_types) > 1 else masks["full_attention"]
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=0 if keep_logits else 1, **{self._cache_arg: state.cache})
+        inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                      **{self._cache_arg: state.cache})
+        if self._head is not None and keep_logits and batch * width > 1:
+            hidden = self.model.base_model(**inputs).last_hidden_state  # (B, T, H)
+            logits = torch.mm(self._head.weight, hidden.reshape(batch * width, -1).t()).t()  # (B*T, V)
+            if self._head.bias is not None:
+                logits = logits + self._head.bias
+            logits = logits.reshape(batch, width, -1).float().contiguous()
+        else:
+            out = self.model(**inputs, logits_to_keep=0 if keep_logits else 1)
+            logits = out.logits.float() if keep_logits else None
         kept = torch.arange(width, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
         state.valid = torch.cat([state.valid, kept], 1)
         state.positions = keys_pos
         state.lengths = [n + c for n, c in zip(state.lengths, counts)]
-        return out.logits.float() if keep_logits else None
+        return logits
 
     def rollback(self, state: HFState, lengths: list[int]) -> None:
         if len(lengths) != len(state.lengths) or any(not 0 <= n <= m for n, m in zip(lengths, state.lengths)):
