@@ -110,7 +110,8 @@ def render() -> str:
         for setting, report in json.loads(path.read_text()).items():
             parts.append(f"### Batch throughput, {setting} (total tokens/s across the batch, "
                          f"{report['max_new_tokens']} new tokens per row, K={report['k']})\n")
-            parts.append("| batch | autoregressive | speculative K | speedup | adaptive | speedup | adaptive drafted/step | identical |")
+            parts.append("| batch | autoregressive | speculative K | speedup | adaptive | speedup "
+                         "| adaptive drafted/step | identical |")
             parts.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
             for row in report["rows"]:
                 fixed = row[f"speculative K={report['k']}"]

@@ -82,7 +82,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(models, case):
     draft, target = models
-    config = SpeculativeConfig(**{"adaptive": False, "greedy_verification": False, "num_draft_tokens": 2, **CASES[case]})
+    settings = {"adaptive": False, "greedy_verification": False, "num_draft_tokens": 2, **CASES[case]}
+    config = SpeculativeConfig(**settings)
     assert total_variation(draft, target, config) > 0.25  # the draft clearly differs
     decoder = SpeculativeDecoder(target, draft, config)
     counts = draw(decoder, max_new=6 if config.num_draft_tokens == 4 else LENGTH)
@@ -146,7 +147,8 @@ def test_the_g_test_detects_a_wrong_distribution(models):
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
-    assert g_test_pvalue(counts, exact_joint(target, SpeculativeConfig(adaptive=False, greedy_verification=False))) < P_MIN
+    plain = SpeculativeConfig(adaptive=False, greedy_verification=False)
+    assert g_test_pvalue(counts, exact_joint(target, plain)) < P_MIN
 
 
 def test_batch_of_one_is_lossless_too(models):

@@ -101,7 +101,8 @@ def test_padded_vocabulary_passes_the_tokenizer_check(tmp_path):
     ids = prompt(10, 6)
     decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=3))
     assert decoder.generate(ids, 20) == reference(target.model, ids, 20)
-    sampled = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, greedy_verification=False, seed=1, top_k=10))
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, seed=1, top_k=10)
+    sampled = SpeculativeDecoder(target, draft, config)
     assert len(sampled.generate(ids, 20)) == 20
 
 

@@ -13,5 +13,6 @@ from .loading import load_model, load_tokenizer
 
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder", "autoregressive_generate", "build_model", "build_pair",
-           "output_size", "save_model", "load_model", "load_tokenizer", "LanguageModel", "DraftModelProposer", "NGramProposer", "Proposal",
+           "output_size", "save_model", "load_model", "load_tokenizer", "LanguageModel", "DraftModelProposer",
+           "NGramProposer", "Proposal",
            "Proposer", "DecodeStats", "accept_reject", "greedy_verify", "rejection_verify"]

@@ -276,16 +276,19 @@ def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2,
         batch = [prompts[i % len(prompts)] for i in range(size)]
         entry = {"batch_size": size}
         methods = {
-            "autoregressive": lambda: autoregressive_generate(target, batch, max_new, eos_token_id=eos),
+            "autoregressive": None,
             f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k,
                                                                                       adaptive=False)),
             "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k)),
         }
         reference = None
         for name, method in methods.items():
-            run = method if callable(method) else (lambda d=method: d.generate(batch, max_new, eos))
+            def run(method=method, batch=batch):
+                if method is None:
+                    return autoregressive_generate(target, batch, max_new, eos_token_id=eos)
+                return method.generate(batch, max_new, eos)
             run()  # warm-up (adaptive K measures its costs at this batch size here)
-            if not callable(method):
+            if method is not None:
                 method.reset_stats()
             speeds = []
             for _ in range(runs):
@@ -294,7 +297,7 @@ def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2,
                 speeds.append(sum(map(len, outputs)) / (time.perf_counter() - started))
             reference = outputs if reference is None else reference
             entry[name] = {"tokens_per_second": statistics.median(speeds), "identical": outputs == reference}
-            if not callable(method):
+            if method is not None:
                 entry[name]["acceptance_rate"] = method.stats.acceptance_rate
                 entry[name]["tokens_per_forward"] = method.stats.tokens_per_forward
                 entry[name]["drafted_per_step"] = method.stats.drafted / max(1, method.stats.target_forwards)

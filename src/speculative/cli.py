@@ -53,8 +53,11 @@ def add_generate(sub) -> None:
                        "in batches and printed as JSON lines in input order")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="K, tokens drafted per step "
-                   "(default: %(default)s)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="K, tokens drafted per step: the "
+                   "most adaptive K may choose, or the fixed K with --fixed-k (default: 4 for a draft model, "
+                   "10 for ngram)")
+    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step instead of "
+                   "choosing K from measured acceptance and costs")
     p.add_argument("--temperature", type=float, default=0.0, help="target temperature; 0 = greedy "
                    "(default: %(default)s)")
     p.add_argument("--draft-temperature", type=float, default=1.0, help="draft temperature when sampling; "
@@ -76,13 +79,17 @@ def add_generate(sub) -> None:
 def run_generate(args) -> int:
     from . import SpeculativeConfig, SpeculativeDecoder, load_model, load_tokenizer
 
+    from .loading import PARTNERS
+
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = 10 if (args.draft or PARTNERS.get(args.target, "ngram")) == "ngram" else 4
     target = load_model(args.target, device=args.device)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(args.draft, args.target, args.device, args)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
-                               seed=args.seed)
+                               seed=args.seed, adaptive=not args.fixed_k)
     decoder = SpeculativeDecoder(target, draft, config)
     eos = tokenizer.eos_token_ids or None
     encode = tokenizer.chat if args.chat else tokenizer.encode
