@@ -37,4 +37,5 @@ def acceptance(target, draft, prompts: list[list[int]], max_new_tokens: int = 64
         identical &= out == autoregressive_generate(target, ids, max_new_tokens)
     stats = decoder.stats
     return {"acceptance_rate": round(stats.acceptance_rate, 4),
-            "tokens_per_forward": round(stats.tokens_per_forward, 3), "k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "identical_to_target": identical}
+            "tokens_per_forward": round(stats.tokens_per_forward, 3), "k": k,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "identical_to_target": identical}
