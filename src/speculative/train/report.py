@@ -30,7 +30,7 @@ def perplexity(model, data: torch.Tensor, seq_len: int = 512, max_tokens: int = 
 
 def acceptance(target, draft, prompts: list[list[int]], max_new_tokens: int = 64, k: int = 4) -> dict:
     """Greedy speculative decoding on the prompts: alpha, tau, and whether output matched."""
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=False))
     identical = True
     for ids in prompts:
         out = decoder.generate(ids, max_new_tokens)
