@@ -80,14 +80,24 @@ def test_select_rows_keeps_the_chosen_rows():
 
 def test_rollback_outside_the_kept_range_is_refused():
     model = tiny("s4d", seed=5)
-    _, state = run(model, [tokens(10)])
+    _, state = run(model, [tokens(40)])  # a prompt-sized chunk keeps only its final state
     with torch.inference_mode():
         model.forward(tokens(3), state)
-        model.rollback(state, [11])
-        with pytest.raises(ValueError, match="allowed 11..11"):
-            model.rollback(state, [10])
+        model.rollback(state, [41])
+        with pytest.raises(ValueError, match="allowed 40..41"):
+            model.rollback(state, [39])
         with pytest.raises(ValueError, match="cannot roll back"):
-            model.rollback(state, [12])
+            model.rollback(state, [42])
+
+
+def test_s4d_keeps_a_bounded_history_without_rollbacks():
+    model = tiny("s4d", seed=6)
+    ids = tokens(150)
+    state = model.new_state(1)
+    with torch.inference_mode():
+        steps = torch.cat([model.forward(t, state) for t in ids.split(1, dim=1)], 1)
+    assert state.history[0].shape[1] <= 64
+    torch.testing.assert_close(steps, run(model, [ids])[0], atol=1e-4, rtol=1e-4)
 
 
 def test_build_pair_defaults_and_output_size():

@@ -1,9 +1,10 @@
 """A stack of diagonal state-space layers (S4D, Gu et al. 2022) as a causal language model.
 
 Each channel runs a complex diagonal linear recurrence x_t = dA * x_{t-1} + dB * u_t,
-y_t = 2 Re(C . x_t) + D u_t. Over a chunk of T tokens it is computed in parallel: short
-chunks (a speculative step) through the closed form for every state of the chunk, long
-chunks (a prompt) by an FFT convolution plus the closed form for the final state only.
+y_t = 2 Re(C . x_t) + D u_t. Long chunks (a prompt) are computed in parallel: an FFT
+convolution for the outputs plus the closed form for each row's final state. Short
+chunks (a speculative step, at most SHORT_CHUNK tokens) run the recurrence and keep the
+state after every position, which is what rollback needs.
 
 Rollback never re-runs the prefix: the state keeps the recurrent state after each
 position since the last rollback (up to `HISTORY` positions), and rolling back selects
@@ -25,8 +26,8 @@ from .decoder_only import RMSNorm
 
 # Chunks up to this length keep the state after every position (for rollback).
 SHORT_CHUNK = 32
-# Positions of state history kept per row; rollback can reach this far back at most.
-HISTORY = 128
+# Most states kept per row; a longer run of forwards without rollback keeps only the last.
+HISTORY = 64
 
 
 @dataclass
@@ -60,11 +61,13 @@ class S4DConfig:
 
 
 class SSMState:
-    """Per-generation state: per layer the complex states (B, M, H, N) at positions
-    base[b] .. base[b] + M - 1 of each row, and each row's current length."""
+    """Per-generation state: per layer a buffer (B, capacity, H, N) whose first `depth`
+    entries are the complex states of row b at lengths base[b] .. base[b] + depth - 1,
+    and each row's current length. The buffer grows on demand, up to HISTORY entries."""
 
     def __init__(self, history: list[torch.Tensor]):
         self.history = history
+        self.depth = 1
         self.base = [0] * history[0].shape[0]
         self.lengths = [0] * history[0].shape[0]
 
@@ -83,13 +86,24 @@ class S4DKernel(nn.Module):
         self.a_imag = nn.Parameter(math.pi * torch.arange(state_dim).float().repeat(hidden, 1))
         self.c = nn.Parameter(torch.randn(hidden, state_dim, 2) * (0.5 ** 0.5))
         self.d = nn.Parameter(torch.randn(hidden))
+        self._discrete = None
 
-    def discrete(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dt*A, dB and C, each (H, N) complex (dA = exp(dt*A))."""
+    def discrete(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt*A, dA = exp(dt*A), dB and C, each (H, N) complex.
+
+        Cached while the parameters are unchanged and no gradient is needed: a complex exp
+        costs more than the rest of a decoding step."""
+        params = (self.log_dt, self.log_a_real, self.a_imag, self.c)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if not torch.is_grad_enabled() and self._discrete is not None and self._discrete[0] == key:
+            return self._discrete[1]
         a = torch.complex(-self.log_a_real.exp(), self.a_imag)
         dt_a = self.log_dt.exp()[:, None] * a
-        d_b = (dt_a.exp() - 1) / a
-        return dt_a, d_b, torch.view_as_complex(self.c.contiguous())
+        d_a = dt_a.exp()
+        values = (dt_a, d_a, (d_a - 1) / a, torch.view_as_complex(self.c.contiguous()))
+        if not torch.is_grad_enabled():
+            self._discrete = (key, values)
+        return values
 
     def forward(self, u: torch.Tensor, x0: torch.Tensor, counts: list[int], keep_all: bool):
         """u (B, T, H) real, x0 (B, H, N) complex.
@@ -98,20 +112,23 @@ class S4DKernel(nn.Module):
         keep_all, else (B, H, N) after counts[b] positions of row b.
         """
         batch, width, _ = u.shape
-        dt_a, d_b, c = self.discrete()
+        dt_a, d_a, d_b, c = self.discrete()
         uc = u.to(d_b.dtype)
         if width == 1:  # one recurrent step
-            state = dt_a.exp() * x0 + d_b * uc[:, 0, :, None]  # (B, H, N)
+            state = d_a * x0 + d_b * uc[:, 0, :, None]  # (B, H, N)
             y = 2 * torch.einsum("bhn,hn->bh", state, c).real[:, None] + self.d * u
             return y, (state[:, None] if keep_all else state)
         steps = torch.arange(width + 1, device=u.device)
         powers = torch.exp(dt_a[..., None] * steps)  # (H, N, T+1): dA^t
         if keep_all:
-            # x_t = dA^(t+1) x0 + sum_{s<=t} dA^(t-s) dB u_s, every t at once.
-            lag = steps[:width, None] - steps[None, :width]  # (T, T): t - s
-            decay = powers[..., lag.clamp(min=0)] * (lag >= 0)  # (H, N, T, T)
-            states = torch.einsum("hnts,bsh->bthn", decay, uc) * d_b
-            states = states + torch.einsum("hnt,bhn->bthn", powers[..., 1:], x0)
+            # A short chunk: the recurrence itself, keeping every state (cheaper than any
+            # closed form at these lengths).
+            inputs = d_b * uc[..., None]  # (B, T, H, N)
+            state, states = x0, []
+            for t in range(width):
+                state = d_a * state + inputs[:, t]
+                states.append(state)
+            states = torch.stack(states, 1)  # (B, T, H, N)
             y = 2 * torch.einsum("bthn,hn->bth", states, c).real
             return y + self.d * u, states
         # Long chunk: outputs by FFT convolution with the kernel K_l = 2 Re(C dB dA^l).
@@ -184,8 +201,7 @@ class S4DLM(nn.Module):
 
     def rollback(self, state: SSMState, lengths: list[int]) -> None:
         check_lengths(lengths, state.lengths, lowest=state.base)
-        state.lengths = list(lengths)
-        self._collapse(state)
+        state.lengths = list(lengths)  # the next forward starts from the state at these lengths
 
     def select_rows(self, state: SSMState, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.device)
@@ -194,11 +210,27 @@ class S4DLM(nn.Module):
         state.lengths = [state.lengths[r] for r in rows]
 
     def _collapse(self, state: SSMState) -> None:
-        """Keep only each row's current state (history starts again at its length)."""
+        """Keep only each row's current state, at index 0 (history starts again at its length)."""
         rows = torch.arange(len(state.lengths), device=self.device)
         at = torch.tensor(state.offsets(), device=self.device)
-        state.history = [h[rows, at][:, None] for h in state.history]
+        for buffer in state.history:
+            buffer[:, 0] = buffer[rows, at]
+        state.depth = 1
         state.base = list(state.lengths)
+
+    def _make_room(self, state: SSMState, width: int) -> None:
+        """Ensure `width` more states fit after the first `depth` entries of every buffer."""
+        if state.depth + width > HISTORY:
+            self._collapse(state)
+        capacity = state.history[0].shape[1]
+        if state.depth + width > capacity:
+            capacity = min(HISTORY, max(2 * capacity, state.depth + width))
+            grown = []
+            for buffer in state.history:
+                new = buffer.new_zeros((buffer.shape[0], capacity, *buffer.shape[2:]))
+                new[:, :state.depth] = buffer[:, :state.depth]
+                grown.append(new)
+            state.history = grown
 
     def forward(self, tokens: torch.Tensor, state: SSMState | None = None,
                 num_valid: list[int] | None = None, keep_logits: bool = True) -> torch.Tensor | None:
@@ -216,24 +248,22 @@ class S4DLM(nn.Module):
             return self.lm_head(self.norm(x))
         batch, width = tokens.shape
         counts = valid_counts(num_valid, batch, width)
-        depth = state.history[0].shape[1]
-        if any(offset != depth - 1 for offset in state.offsets()):
-            self._collapse(state)  # some row's latest history is padding: start afresh
+        if any(offset != state.depth - 1 for offset in state.offsets()):
+            self._collapse(state)  # a rollback, or padding in some row: start from each row's state
         keep_all = width <= SHORT_CHUNK
+        if keep_all:
+            self._make_room(state, width)
+        depth = state.depth
         x = self.embed_tokens(tokens)
-        new_history = []
-        for layer, history in zip(self.layers, state.history):
-            x, states = layer(x, history[:, -1], counts, keep_all)
+        for layer, buffer in zip(self.layers, state.history):
+            x, states = layer(x, buffer[:, depth - 1], counts, keep_all)
             if keep_all:
-                new_history.append(torch.cat([history, states], dim=1)[:, -HISTORY:])
+                buffer[:, depth:depth + width] = states  # row b's state after t + 1 tokens at depth + t
             else:
-                new_history.append(states[:, None])
-        state.history = new_history
+                buffer[:, 0] = states
         state.lengths = [n + c for n, c in zip(state.lengths, counts)]
         if keep_all:
-            depth = new_history[0].shape[1]
-            # Row b's current state sits at index (counts[b] - width) from the end.
-            state.base = [n - (depth - 1) + (width - c) for n, c in zip(state.lengths, counts)]
+            state.depth += width  # base stays: row b's current state sits at depth - 1 + counts[b]
         else:
-            state.base = list(state.lengths)
+            state.depth, state.base = 1, list(state.lengths)
         return self.lm_head(self.norm(x)) if keep_logits else None
