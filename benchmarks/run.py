@@ -36,9 +36,10 @@ def save(name, report):
 
 def section_default():
     target, tokenizer = load_model("default"), load_tokenizer("default")
-    drafts = {"draft (decoder_only)": load_model("default-draft"), "draft_s4d (s4d)": load_model("default-s4d")}
+    draft = load_model("default-draft")
+    drafts = {"draft": draft, "draft_s4d": load_model("default-s4d"), "draft+lookup": draft}
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 128 - 9)
-    report = run_bench(target, drafts, ids, max_new=128, runs=3, ks=(1, 2, 3, 4, 6, 8), eos=None)
+    report = run_bench(target, drafts, ids, max_new=128, runs=3, ks=(1, 2, 4, 8), eos=None, lookup=("draft+lookup",))
     report["title"] = "Shipped pair, code completion on held-out stdlib functions (greedy, 128 new tokens)"
     plot(report, RESULTS / "default.png")
     save("default", report)
@@ -47,8 +48,8 @@ def section_default():
 def section_mixed():
     target, tokenizer = load_model("default"), load_tokenizer("default")
     ids = prompts("mixed.jsonl", tokenizer, max_tokens=512 - 96 - 9)
-    report = run_bench(target, {"draft (decoder_only)": load_model("default-draft")}, ids, max_new=96, runs=3,
-                       ks=(1, 2, 3, 4, 6, 8), eos=None, ngram=True)
+    report = run_bench(target, {"draft+lookup": load_model("default-draft")}, ids, max_new=96, runs=3,
+                       ks=(1, 2, 3, 4, 6, 8), eos=None, ngram=True, lookup=("draft+lookup",))
     report["title"] = "Mixed workload: easy (self-repeating code) and hard (English prose) prompts alternate"
     save("mixed", report)
 
@@ -72,8 +73,8 @@ def section_llama():
 def section_gemma():
     target = load_model("gemma-3-270m")
     ids = prompts("grounded_editing.jsonl", target.tokenizer)
-    report = run_bench(target, {}, ids, max_new=192, runs=3, ks=(4, 10), eos=None)
-    report["title"] = "Gemma 3 270M, input-grounded prompts (edit, quote, answer), n-gram drafts, 192 new tokens"
+    report = run_bench(target, {}, ids, max_new=128, runs=3, ks=(4, 10), eos=None)
+    report["title"] = "Gemma 3 270M, input-grounded prompts (edit, quote, answer), n-gram drafts, 128 new tokens"
     report["prompt_tokens"] = [len(p) for p in ids]
     save("gemma", report)
 
@@ -81,7 +82,8 @@ def section_gemma():
 def section_batch():
     target, tokenizer = load_model("default"), load_tokenizer("default")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
-    report = {"default": batch_throughput(target, load_model("default-draft"), ids, max_new=64, k=4)}
+    report = {"default": batch_throughput(target, load_model("default-draft"), ids, max_new=64, k=4,
+                                          prompt_lookup=True)}
     gemma = load_model("gemma-3-270m")
     from speculative import NGramProposer
 

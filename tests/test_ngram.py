@@ -49,3 +49,19 @@ def test_ngram_greedy_is_exact_on_repetitive_text():
     decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
     assert decoder.stats.tokens_per_forward > 1.2
+
+
+def test_prompt_lookup_with_a_draft_model_is_exact_and_uses_both():
+    from speculative.proposers.hybrid import HybridProposer
+
+    target = tiny("decoder_only", seed=2)
+    draft = tiny("s4d", seed=3)
+    ids = [5, 6, 7, 8, 9] * 4 + [11, 30, 2]
+    config = SpeculativeConfig(adaptive=False, num_draft_tokens=4, prompt_lookup=True)
+    decoder = SpeculativeDecoder(target, draft, config)
+    assert isinstance(decoder.proposer, HybridProposer)
+    assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
+    assert decoder.generate([ids, ids[5:]], 30) == [autoregressive_generate(target, p, 30) for p in (ids, ids[5:])]
+    sampled = SpeculativeConfig(adaptive=False, num_draft_tokens=4, prompt_lookup=True, greedy_verification=False,
+                                seed=3)
+    assert len(SpeculativeDecoder(target, draft, sampled).generate(ids, 20)) == 20

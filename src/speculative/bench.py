@@ -100,8 +100,11 @@ def time_method(run, prompts, max_new, runs, eos):
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
               ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
-              peers: bool = True, log=print) -> dict:
-    """Benchmark every method; returns a JSON-able dict with one entry per method."""
+              peers: bool = True, lookup: tuple[str, ...] = (), log=print) -> dict:
+    """Benchmark every method; returns a JSON-able dict with one entry per method.
+
+    `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
+    first (SpeculativeConfig.prompt_lookup)."""
     results: list[Result] = []
 
     def record(result: Result, outputs, speeds, memory, stats=None):
@@ -134,7 +137,8 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     seconds_per_token = 1 / results[0].tokens_per_second
 
     def speculative(name, draft, draft_name, k, is_adaptive):
-        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive))
+        config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup)
+        decoder = SpeculativeDecoder(target, draft, config)
         run = lambda ids, n, e: decoder.generate(ids, n, e)  # noqa: E731
         run(prompts[0], min(8, max_new), eos)  # warm-up: also lets adaptive K measure its costs
         decoder.reset_stats()
@@ -268,7 +272,7 @@ def plot(report: dict, path) -> None:
 
 
 def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2, 4, 8, 16), max_new: int = 64,
-                     runs: int = 3, k: int = 4, eos=None, log=print) -> dict:
+                     runs: int = 3, k: int = 4, eos=None, prompt_lookup: bool = False, log=print) -> dict:
     """Total tokens/s across a batch: batched autoregressive against speculative decoding
     (fixed K and adaptive), per batch size. Rows cycle through the prompts."""
     rows = []
@@ -277,9 +281,10 @@ def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2,
         entry = {"batch_size": size}
         methods = {
             "autoregressive": None,
-            f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k,
-                                                                                      adaptive=False)),
-            "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k)),
+            f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(
+                num_draft_tokens=k, adaptive=False, prompt_lookup=prompt_lookup)),
+            "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(
+                num_draft_tokens=k, prompt_lookup=prompt_lookup)),
         }
         reference = None
         for name, method in methods.items():
@@ -308,4 +313,4 @@ def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2,
                                               f"({entry[n]['speedup']:.2f}x)" for n in methods))
         rows.append(entry)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": max_new, "runs": runs,
-            "k": k, "rows": rows}
+            "k": k, "prompt_lookup": prompt_lookup, "rows": rows}

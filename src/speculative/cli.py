@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+# No newline at the end: the tokenizer merges a newline with the next line's indentation.
 DEFAULT_PROMPT = '''def read_lines(path):
-    """Return the lines of a text file, without their line endings."""
-'''
+    """Return the lines of a text file, without their line endings."""'''
 
 
 def stats_line(stats, seconds: float) -> str:
@@ -20,18 +20,21 @@ def stats_line(stats, seconds: float) -> str:
             f"{stats.acceptance_rate:.2f} | {stats.tokens_per_forward:.2f} tokens per target forward]")
 
 
-def make_draft(name: str | None, target_name: str, device: str, args):
-    """The draft named on the command line: a path, a preset, 's4d', or 'ngram'."""
-    from . import NGramProposer, load_model
-    from .loading import PARTNERS
+def draft_model_name(name: str) -> str:
+    """The model behind a --draft value: 's4d' is the shipped S4D draft, '+ngram' is dropped."""
+    name = name.removesuffix("+ngram")
+    return "default-s4d" if name == "s4d" else name
 
-    name = name or PARTNERS.get(target_name, "ngram")
+
+def make_draft(name: str, device: str, args):
+    """The draft named on the command line: a path, a preset, 's4d', 'ngram', or a model
+    followed by '+ngram' (prompt lookup first, the model where lookup finds nothing)."""
+    from . import NGramProposer, load_model
+
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
-    if name == "s4d":
-        name = "default-s4d"
-    return load_model(name, device=device)
+    return load_model(draft_model_name(name), device=device)
 
 
 def add_generate(sub) -> None:
@@ -44,7 +47,8 @@ def add_generate(sub) -> None:
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
                    "preset: default, gemma-3-270m (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
-                   "draft), or 'ngram' (prompt lookup, no draft model). Default: the shipped draft for the "
+                   "draft), 'ngram' (prompt lookup, no draft model), or a model followed by '+ngram' (prompt "
+                   "lookup first, the model where lookup finds nothing). Default: default-draft+ngram for the "
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
@@ -81,15 +85,16 @@ def run_generate(args) -> int:
 
     from .loading import PARTNERS
 
+    draft_name = args.draft or PARTNERS.get(args.target, "ngram")
     if args.num_draft_tokens is None:
-        args.num_draft_tokens = 10 if (args.draft or PARTNERS.get(args.target, "ngram")) == "ngram" else 4
+        args.num_draft_tokens = 10 if draft_name == "ngram" else 4
     target = load_model(args.target, device=args.device)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
-    draft = make_draft(args.draft, args.target, args.device, args)
+    draft = make_draft(draft_name, args.device, args)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
-                               seed=args.seed, adaptive=not args.fixed_k)
+                               seed=args.seed, adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"))
     decoder = SpeculativeDecoder(target, draft, config)
     eos = tokenizer.eos_token_ids or None
     encode = tokenizer.chat if args.chat else tokenizer.encode
@@ -267,16 +272,22 @@ def run_bench(args) -> int:
         raise ValueError(f"--k needs positive integers, got {args.k!r}")
     target = load_model(args.target, device=args.device)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
-    names = args.draft if args.draft is not None else (["default-draft", "default-s4d"]
+    names = args.draft if args.draft is not None else (["default-draft", "default-s4d", "default-draft+ngram"]
                                                         if args.target == "default" else [])
-    drafts = {("default-s4d" if n == "s4d" else n): load_model("default-s4d" if n == "s4d" else n, device=args.device)
-              for n in names if n != "ngram"}
+    drafts, lookup = {}, []
+    for name in names:
+        if name == "ngram":
+            continue
+        model_name = draft_model_name(name)
+        drafts[name] = load_model(model_name, device=args.device)
+        if name.endswith("+ngram"):
+            lookup.append(name)
     limit = target.max_seq_len - args.max_new_tokens - max(ks) - 1 if target.max_seq_len else None
     prompts = bench_prompts(args, tokenizer, limit)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
-                   peers=not args.no_peers, log=log)
+                   peers=not args.no_peers, lookup=tuple(lookup), log=log)
     report["target"] = args.target
     print(table(report))
     if args.plot:

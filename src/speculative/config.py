@@ -34,6 +34,9 @@ class SpeculativeConfig:
     # Choose K per step from measured acceptance and costs, drafting nothing when that
     # cannot pay. Sampling with a seed keeps K fixed, so that output is reproducible.
     adaptive: bool = True
+    # With a draft model: take the tokens that followed the last n-gram (n >= 2) earlier in
+    # the prompt and output when there is one, and ask the draft model only otherwise.
+    prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int):
@@ -52,8 +55,9 @@ class SpeculativeConfig:
                 raise ValueError(f"top_p must be None or a number with 0 < top_p <= 1, got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        for name in ("adaptive", "prompt_lookup", "greedy_verification"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def sampling(self) -> bool:

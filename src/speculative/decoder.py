@@ -20,6 +20,8 @@ from .config import SpeculativeConfig
 from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
 from .proposers.base import Proposal
 from .proposers.draft_model import DraftModelProposer, pad
+from .proposers.hybrid import HybridProposer
+from .proposers.ngram import NGramProposer
 from .sampling import make_generators, probabilities, sample
 from .stats import DecodeStats
 from .text import same_vocabulary
@@ -97,6 +99,9 @@ class SpeculativeDecoder:
             self.proposer = DraftModelProposer(
                 draft_model, self.config.draft_temperature if sampling else 0.0,
                 self.config.top_k, self.config.top_p, sampling)
+            if self.config.prompt_lookup:
+                lookup = NGramProposer(num_draft_tokens=self.config.num_draft_tokens)
+                self.proposer = HybridProposer(self.proposer, lookup)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
         # Learned across generations: acceptance and costs carry over from call to call.
@@ -191,7 +196,7 @@ class SpeculativeDecoder:
             with torch.inference_mode():
                 target.rollback(state, [len(sequences[r]) - 1 for r in active])
                 if max(limits) > 0:
-                    proposer.commit(accepted)
+                    proposer.commit([sequences[r] for r in active])
             stats.total_seconds += time.perf_counter() - started
             yield from events
 

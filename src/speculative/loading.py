@@ -26,7 +26,7 @@ BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d
 GEMMA = "gemma-3-270m"
 PRESETS = [*BUILTIN_PRESETS, GEMMA]
 # The draft each preset pairs with when none is named.
-PARTNERS = {"default": "default-draft", "default-draft": "default-draft", "default-s4d": "default-s4d"}
+PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d"}
 
 
 def cache_root() -> Path:

@@ -2,6 +2,7 @@
 
 from .base import Proposal, Proposer
 from .draft_model import DraftModelProposer
+from .hybrid import HybridProposer
 from .ngram import NGramProposer
 
-__all__ = ["Proposal", "Proposer", "DraftModelProposer", "NGramProposer"]
+__all__ = ["Proposal", "Proposer", "DraftModelProposer", "HybridProposer", "NGramProposer"]

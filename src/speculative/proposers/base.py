@@ -1,8 +1,9 @@
 """The proposer interface: whatever drafts tokens for the target to verify.
 
 Two calls per step, as in transformers' candidate generators: `propose` drafts up to
-limits[b] tokens for row b from the committed sequences, `commit` learns how many the target kept so
-the proposer can roll back. `start` prepares a batch and `select_rows` drops finished rows.
+limits[b] tokens for row b from the committed sequences; `commit` sees the sequences as
+committed after verification, so the proposer can roll back to what still holds.
+`start` prepares a batch and `select_rows` drops finished rows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,6 @@ class Proposer(Protocol):
 
     def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal: ...
 
-    def commit(self, accepted: list[int]) -> None: ...
+    def commit(self, sequences: list[list[int]]) -> None: ...
 
     def select_rows(self, rows: list[int]) -> None: ...

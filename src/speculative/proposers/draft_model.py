@@ -77,8 +77,9 @@ class DraftModelProposer:
                 if all(n <= i for n in lengths):
                     break
         self._drafted = len(tokens)
+        self._tokens = torch.stack(tokens, 1)
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
+        return Proposal(self._tokens, lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
 
     def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None) -> torch.Tensor:
         started = time.perf_counter()
@@ -86,10 +87,16 @@ class DraftModelProposer:
         self.forward_seconds += time.perf_counter() - started
         return logits
 
-    def commit(self, accepted: list[int]) -> None:
-        # The draft has seen the committed prefix plus all its drafts but the last; keep
-        # what the target kept.
-        keep = [n + min(a, self._drafted - 1) for n, a in zip(self._committed, accepted)]
+    def commit(self, sequences: list[list[int]]) -> None:
+        # The draft has seen the old committed prefix plus all its drafts but the last; keep
+        # the part that the new committed sequence still starts with.
+        fed = self._tokens.tolist()
+        keep = []
+        for n, seq, drafts in zip(self._committed, sequences, fed):
+            same = 0
+            while same < self._drafted - 1 and n + same < len(seq) and seq[n + same] == drafts[same]:
+                same += 1
+            keep.append(n + same)
         self.model.rollback(self.state, keep)
 
     def probe_seconds(self, rows: list[list[int]]) -> float:

@@ -36,6 +36,12 @@ class _RowIndex:
         return -1, 0
 
 
+def pad_rows(rows: list[list[int]]) -> torch.Tensor:
+    """Token lists as a (B, max(1, longest)) long tensor, right-padded with 0."""
+    width = max(1, max(map(len, rows)))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
 class NGramProposer:
     """Drafts by looking up the last n tokens (n from max_ngram down to min_ngram) in the
     row's own prompt and output, and proposing the tokens that followed the most recent
@@ -62,8 +68,9 @@ class NGramProposer:
     def start(self, prompts: list[list[int]], capacity: int, generators) -> None:
         self.rows = [_RowIndex(self.min_ngram, self.max_ngram) for _ in prompts]
 
-    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal:
-        drafts = []
+    def lookup(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Per row: the drafted tokens, and the length n of the n-gram matched (0: none)."""
+        drafts, matched = [], []
         for index, seq, limit in zip(self.rows, sequences, limits):
             k = min(limit, self.num_draft_tokens)
             index.update(seq, len(seq))
@@ -71,14 +78,18 @@ class NGramProposer:
             end, n = index.lookup(seq)
             if end < 0 or k <= 0:
                 drafts.append([])
+                matched.append(0)
                 continue
             budget = max(self.min_draft, (k * n) // self.max_ngram)
             drafts.append(seq[end:end + min(k, budget)])
-        width = max(1, max(map(len, drafts)))
-        tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long)
-        return Proposal(tokens, [len(d) for d in drafts])
+            matched.append(n)
+        return drafts, matched
 
-    def commit(self, accepted: list[int]) -> None:
+    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal:
+        drafts, _ = self.lookup(sequences, limits)
+        return Proposal(pad_rows(drafts), [len(d) for d in drafts])
+
+    def commit(self, sequences: list[list[int]]) -> None:
         pass
 
     def select_rows(self, rows: list[int]) -> None:

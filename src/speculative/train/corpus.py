@@ -83,7 +83,9 @@ def function_prompts(files: list[Path], count: int, context_chars: int = 600) ->
     """Prompts that end with the first line of a Python function, after some of the code before it.
 
     One prompt per file (its first top-level or method `def` past the first 20 lines), in
-    file order, so the set is fixed for a given corpus.
+    file order, so the set is fixed for a given corpus. The prompt stops before the line's
+    newline: the BPE merges a newline with the next line's indentation, so a prompt ending
+    in a bare newline would tell the model that the next line is not indented.
     """
     prompts = []
     for path in files:
@@ -92,7 +94,7 @@ def function_prompts(files: list[Path], count: int, context_chars: int = 600) ->
             if i >= 20 and line.lstrip().startswith("def ") and line.rstrip().endswith(":"):
                 before = "".join(lines[:i])[-context_chars:]
                 cut = before.find("\n") + 1 if len(before) == context_chars else 0
-                prompts.append(before[cut:] + line)
+                prompts.append(before[cut:] + line.rstrip("\n"))
                 break
         if len(prompts) == count:
             break
