@@ -30,7 +30,6 @@ def prompts(name, tokenizer, limit=None, max_tokens=None):
 
 
 def save(name, report):
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
@@ -41,8 +40,8 @@ def section_default():
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 128 - 9)
     report = run_bench(target, drafts, ids, max_new=128, runs=3, ks=(1, 2, 4, 8), eos=None, lookup=("draft+lookup",))
     report["title"] = "Shipped pair, code completion on held-out stdlib functions (greedy, 128 new tokens)"
-    plot(report, RESULTS / "default.png")
     save("default", report)
+    plot(report, RESULTS / "default.png")
 
 
 def section_mixed():
@@ -138,6 +137,7 @@ def update_markdown() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    RESULTS.mkdir(exist_ok=True)
     chosen = sys.argv[1:] or list(SECTIONS)
     unknown = [c for c in chosen if c not in SECTIONS]
     if unknown:

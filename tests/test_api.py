@@ -128,3 +128,13 @@ def test_stats_and_reset(pair):
     assert decoder.config.num_draft_tokens == 4
     decoder.reset_stats()
     assert decoder.stats.generated == 0 and decoder.acceptance_rate() == 0.0
+
+
+def test_adaptive_k_is_used_when_sampling_without_a_seed_and_pinned_with_one(pair):
+    draft, target = pair
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(greedy_verification=False, num_draft_tokens=4))
+    decoder.generate([5, 6, 7], 10)
+    assert 1 in decoder.policy.costs  # the policy measured costs: it chose K
+    seeded = SpeculativeDecoder(target, draft, SpeculativeConfig(greedy_verification=False, num_draft_tokens=4))
+    seeded.generate([5, 6, 7], 10, seeds=[3])
+    assert not seeded.policy.costs and len(seeded.stats.drafted_at) == 4  # fixed K = 4

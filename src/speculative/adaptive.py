@@ -93,18 +93,16 @@ class AdaptivePolicy:
         m = self.prior_weight
         return (self.accepted[position] + m * self.prior) / (self.reached[position] + m)
 
-    def expected_tokens(self, k: int) -> float:
-        total, alive = 1.0, 1.0
-        for j in range(k):
-            alive *= self.alpha(j)
-            total += alive
-        return total
-
     def choose(self, batch: int) -> int:
         """K for the next step of a batch of this many rows (needs costs for it)."""
         costs = self.costs[batch]
-        rates = [self.expected_tokens(k) / (k * costs.draft + costs.verify(k + 1)) for k in range(self.max_k + 1)]
-        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        best, best_rate, expected, alive = 0, 1.0 / costs.verify(1), 1.0, 1.0
+        for k in range(1, self.max_k + 1):  # E(k) grows by the chance that all k drafts are kept
+            alive *= self.alpha(k - 1)
+            expected += alive
+            rate = expected / (k * costs.draft + costs.verify(k + 1))
+            if rate > best_rate:
+                best, best_rate = k, rate
         self.probing = False
         if self._break_even(costs) >= 1.0:
             best = 0  # no token could be confident enough to pay for itself

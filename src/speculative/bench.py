@@ -83,19 +83,31 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return tokens / (k * c + v)
 
 
-def time_method(run, prompts, max_new, runs, eos):
-    """Warm up, then `runs` timed passes: (outputs of the last pass, tokens/s per pass, memory)."""
-    run(prompts[0], min(8, max_new), eos)
-    speeds, outputs = [], []
+@dataclass
+class Method:
+    """One way of generating: a function of (prompt ids, max new tokens, eos) -> new tokens."""
+
+    result: Result
+    run: object
+    decoder: SpeculativeDecoder | None = None
+    outputs: list = field(default_factory=list)
+    peak: int = 0
+    before: int = 0
+
+
+def one_pass(method: Method, prompts, max_new, eos) -> float:
+    """Generate for every prompt once; returns tokens/s and keeps the outputs."""
     with PeakMemory() as memory:
-        for _ in range(runs):
-            outputs, tokens, started = [], 0, time.perf_counter()
-            for ids in prompts:
-                out = run(ids, max_new, eos)
-                outputs.append(out)
-                tokens += len(out)
-            speeds.append(tokens / (time.perf_counter() - started))
-    return outputs, speeds, memory
+        outputs, tokens, started = [], 0, time.perf_counter()
+        for ids in prompts:
+            out = method.run(ids, max_new, eos)
+            outputs.append(out)
+            tokens += len(out)
+        speed = tokens / (time.perf_counter() - started)
+    method.outputs = outputs
+    method.peak = max(method.peak, memory.peak)
+    method.before = method.before or memory.before
+    return speed
 
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
@@ -104,52 +116,19 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     """Benchmark every method; returns a JSON-able dict with one entry per method.
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
-    first (SpeculativeConfig.prompt_lookup)."""
-    results: list[Result] = []
-
-    def record(result: Result, outputs, speeds, memory, stats=None):
-        result.run_tokens_per_second = [round(s, 2) for s in speeds]
-        result.tokens_per_second = statistics.median(speeds)
-        result.peak_rss_mb = memory.peak / 2 ** 20
-        result.peak_rss_delta_mb = (memory.peak - memory.before) / 2 ** 20
-        result.generated_tokens = sum(map(len, outputs))
-        if reference is not None:
-            result.identical = outputs == reference
-            result.speedup = result.tokens_per_second / results[0].tokens_per_second
-        if stats is not None and stats.total_seconds > 0:
-            result.acceptance_rate = stats.acceptance_rate
-            result.tokens_per_forward = stats.tokens_per_forward
-            decode = stats.total_seconds - stats.prefill_seconds
-            result.draft_share = stats.draft_forward_seconds / decode
-            result.verify_share = stats.target_forward_seconds / decode
-            result.overhead_share = stats.overhead_seconds / decode
-        results.append(result)
-        log(f"  {result.name}: {result.tokens_per_second:.1f} tokens/s"
-            + (f", {result.speedup:.2f}x" if result.speedup else ""))
-
-    reference = None
-    log(f"autoregressive baseline ({len(prompts)} prompts, {max_new} new tokens, {runs} runs)")
-    outputs, speeds, memory = time_method(lambda ids, n, e: autoregressive_generate(target, ids, n, eos_token_id=e),
-                                          prompts, max_new, runs, eos)
-    record(Result("autoregressive"), outputs, speeds, memory)
-    reference = outputs
-    results[0].identical, results[0].speedup = True, 1.0
-    seconds_per_token = 1 / results[0].tokens_per_second
+    first (SpeculativeConfig.prompt_lookup). After a warm-up of every method, each of the
+    `runs` rounds times the autoregressive baseline and then every method on all prompts:
+    a method's speedup is the median over rounds of its speed over the baseline's speed in
+    the same round, so that a machine that drifts between minutes does not skew ratios.
+    """
+    methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
+                                                                                            eos_token_id=e))]
 
     def speculative(name, draft, draft_name, k, is_adaptive):
         config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup)
         decoder = SpeculativeDecoder(target, draft, config)
-        run = lambda ids, n, e: decoder.generate(ids, n, e)  # noqa: E731
-        run(prompts[0], min(8, max_new), eos)  # warm-up: also lets adaptive K measure its costs
-        decoder.reset_stats()
-        outputs, speeds, memory = time_method(run, prompts, max_new, runs, eos)
-        result = Result(name, draft=draft_name, k=k, adaptive=is_adaptive)
-        record(result, outputs, speeds, memory, decoder.stats)
-        stats = decoder.stats
-        if not is_adaptive and stats.drafted and stats.target_forwards:
-            c = stats.draft_forward_seconds / stats.drafted / seconds_per_token
-            v = stats.target_forward_seconds / stats.target_forwards / seconds_per_token
-            result.predicted_speedup = predicted_speedup(stats.acceptance_rate, k, c, v)
+        methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=is_adaptive),
+                              lambda ids, n, e: decoder.generate(ids, n, e), decoder))
 
     for draft_name, draft in drafts.items():
         for k in ks:
@@ -164,11 +143,45 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
                         True)
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
-            run = hf_generate(target, kwargs)
-            outputs, speeds, memory = time_method(run, prompts, max_new, runs, eos)
-            record(Result(name, draft=kwargs.get("draft_name")), outputs, speeds, memory)
+            methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
+
+    log(f"{len(methods)} methods, {len(prompts)} prompts, {max_new} new tokens, {runs} rounds")
+    for method in methods:  # warm-up; adaptive K also measures its costs here
+        method.run(prompts[0], min(8, max_new), eos)
+        if method.decoder is not None:
+            method.decoder.reset_stats()
+    speeds = {id(m): [] for m in methods}
+    ratios = {id(m): [] for m in methods}
+    for round_number in range(runs):
+        for method in methods:
+            speeds[id(method)].append(one_pass(method, prompts, max_new, eos))
+            ratios[id(method)].append(speeds[id(method)][-1] / speeds[id(methods[0])][-1])
+        log(f"  round {round_number + 1}: " + ", ".join(f"{m.result.name} {ratios[id(m)][-1]:.2f}x"
+                                                        for m in methods[1:]))
+    baseline = statistics.median(speeds[id(methods[0])])
+    for method in methods:
+        result = method.result
+        result.run_tokens_per_second = [round(v, 2) for v in speeds[id(method)]]
+        result.tokens_per_second = statistics.median(speeds[id(method)])
+        result.speedup = statistics.median(ratios[id(method)])
+        result.identical = method.outputs == methods[0].outputs
+        result.peak_rss_mb = method.peak / 2 ** 20
+        result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
+        result.generated_tokens = sum(map(len, method.outputs))
+        stats = method.decoder.stats if method.decoder is not None else None
+        if stats is not None and stats.total_seconds > 0:
+            result.acceptance_rate = stats.acceptance_rate
+            result.tokens_per_forward = stats.tokens_per_forward
+            decode = stats.total_seconds - stats.prefill_seconds
+            result.draft_share = stats.draft_forward_seconds / decode
+            result.verify_share = stats.target_forward_seconds / decode
+            result.overhead_share = stats.overhead_seconds / decode
+            if not result.adaptive and stats.drafted and stats.target_forwards:
+                c = stats.draft_forward_seconds / stats.drafted * baseline
+                v = stats.target_forward_seconds / stats.target_forwards * baseline
+                result.predicted_speedup = predicted_speedup(stats.acceptance_rate, result.k, c, v)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
-            "max_new_tokens": max_new, "runs": runs, "methods": [r.__dict__ for r in results]}
+            "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
 
 
 def hf_methods(drafts: dict, k_max: int):
@@ -286,29 +299,32 @@ def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2,
             "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(
                 num_draft_tokens=k, prompt_lookup=prompt_lookup)),
         }
-        reference = None
-        for name, method in methods.items():
-            def run(method=method, batch=batch):
-                if method is None:
-                    return autoregressive_generate(target, batch, max_new, eos_token_id=eos)
-                return method.generate(batch, max_new, eos)
-            run()  # warm-up (adaptive K measures its costs at this batch size here)
+        def run(method, batch=batch):
+            if method is None:
+                return autoregressive_generate(target, batch, max_new, eos_token_id=eos)
+            return method.generate(batch, max_new, eos)
+
+        for method in methods.values():
+            run(method)  # warm-up (adaptive K measures its costs at this batch size here)
             if method is not None:
                 method.reset_stats()
-            speeds = []
-            for _ in range(runs):
+        speeds = {name: [] for name in methods}
+        ratios = {name: [] for name in methods}
+        outputs = {}
+        for _ in range(runs):  # rounds: each method's ratio is to the baseline of its round
+            for name, method in methods.items():
                 started = time.perf_counter()
-                outputs = run()
-                speeds.append(sum(map(len, outputs)) / (time.perf_counter() - started))
-            reference = outputs if reference is None else reference
-            entry[name] = {"tokens_per_second": statistics.median(speeds), "identical": outputs == reference}
+                outputs[name] = run(method)
+                speeds[name].append(sum(map(len, outputs[name])) / (time.perf_counter() - started))
+                ratios[name].append(speeds[name][-1] / speeds["autoregressive"][-1])
+        for name, method in methods.items():
+            entry[name] = {"tokens_per_second": statistics.median(speeds[name]),
+                           "speedup": statistics.median(ratios[name]),
+                           "identical": outputs[name] == outputs["autoregressive"]}
             if method is not None:
                 entry[name]["acceptance_rate"] = method.stats.acceptance_rate
                 entry[name]["tokens_per_forward"] = method.stats.tokens_per_forward
                 entry[name]["drafted_per_step"] = method.stats.drafted / max(1, method.stats.target_forwards)
-        base = entry["autoregressive"]["tokens_per_second"]
-        for name in methods:
-            entry[name]["speedup"] = entry[name]["tokens_per_second"] / base
         log(f"  batch {size}: " + ", ".join(f"{n} {entry[n]['tokens_per_second']:.1f} tok/s "
                                               f"({entry[n]['speedup']:.2f}x)" for n in methods))
         rows.append(entry)

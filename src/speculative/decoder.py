@@ -138,13 +138,13 @@ class SpeculativeDecoder:
         check_length(prompts, budgets, target, "target")
         if getattr(proposer, "model", None) is not None:
             check_length(prompts, budgets, proposer.model, "draft")
+        # A seed pins K: adaptive K follows timings, which would make sampled output vary.
+        seeded = cfg.seed is not None or seeds is not None
+        policy = self.policy if cfg.adaptive and not (cfg.sampling and seeded) else None
         seeds = row_seeds(cfg, batch, seeds)
         target_gens = make_generators(seeds, target.device)
         draft_gens = make_generators([draft_seed(s) for s in seeds], target.device)
         capacity = max(len(p) + m for p, m in zip(prompts, budgets)) + cfg.num_draft_tokens + 1
-        # A seed pins K: adaptive K follows timings, which would make sampled output vary.
-        seeded = cfg.seed is not None or seeds is not None
-        policy = self.policy if cfg.adaptive and not (cfg.sampling and seeded) else None
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -176,7 +176,7 @@ class SpeculativeDecoder:
                 k = cfg.num_draft_tokens if policy is None else policy.choose(len(rows))
                 # Each row drafts at most what it can still use, whatever the rest of the batch.
                 limits = [max(0, min(k, left - 1)) for left in remaining]
-                min_confidence = None if policy is None else policy.min_confidence(len(rows))
+                min_confidence = None if policy is None or k == 0 else policy.min_confidence(len(rows))
                 proposal, draft_seconds = self._propose(rows, limits, min_confidence)
                 accepted, extra, verify_seconds = self._verify(state, rows, proposal, target_gens)
             stats.target_forwards += 1
