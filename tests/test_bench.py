@@ -40,12 +40,13 @@ def test_bench_runs_end_to_end(tiny_pair, capsys):
     assert plot.is_file() and plot.stat().st_size > 1000
     methods = {m["name"]: m for m in report["methods"]}
     assert methods["autoregressive"]["speedup"] == 1.0
+    assert methods["autoregressive"]["prompt_speedups"] == [1.0] * report["prompts"]
     for m in report["methods"]:
         assert m["identical"] is True, m["name"]
         assert m["tokens_per_second"] > 0 and len(m["run_tokens_per_second"]) == 3
         assert m["peak_rss_mb"] > 0
         for key in ("speedup", "acceptance_rate", "tokens_per_forward", "draft_share", "verify_share",
-                    "overhead_share", "predicted_speedup"):
+                    "overhead_share", "predicted_speedup", "median_prompt_speedup"):
             assert key in m
     self_draft = methods[f"{tiny_pair / 'target'} K=3"]
     assert self_draft["acceptance_rate"] == 1.0  # a perfect draft
@@ -84,6 +85,24 @@ def test_adaptive_k_stops_drafting_with_a_useless_draft():
     steps_with_drafts = sum(decoder.stats.drafted_at[:1])
     assert decoder.stats.accepted == 0
     assert steps_with_drafts <= 0.2 * decoder.stats.target_forwards  # only the first steps and probes
+
+
+def test_prompt_lookup_goes_on_when_adaptive_k_stops_a_useless_draft_model():
+    target = tiny("decoder_only", seed=3)
+    useless = SlowUselessDraft(target)
+    calls = []
+    forward = useless.forward
+    useless.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    decoder = SpeculativeDecoder(target, useless, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
+    ids = [5, 9, 2, 7] * 3
+    reference = autoregressive_generate(target, ids, 120)
+    assert len(set(reference)) < 10  # the tiny target repeats itself: lookup has something to find
+    assert decoder.generate(ids, 120) == reference
+    decoder.reset_stats()
+    calls.clear()
+    assert decoder.generate(ids, 120) == reference
+    assert decoder.stats.tokens_per_forward > 1.5  # lookup drafts, although the policy gives the model K = 0
+    assert len(calls) <= 0.2 * decoder.stats.target_forwards  # the draft model runs only for probes
 
 
 class CostlyTarget(TableModel):

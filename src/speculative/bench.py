@@ -3,8 +3,9 @@
 Methods: plain autoregressive decoding (the baseline), speculative decoding with each
 draft at each fixed K and with adaptive K, n-gram drafting, and, when the models are
 transformers models, transformers' own assisted generation and prompt lookup. Each method
-is warmed up, then timed over `runs` passes over all prompts; figures are medians over
-runs, and every greedy output is compared with the autoregressive one, token for token.
+is warmed up, then timed over `runs` rounds, each prompt by prompt with every method in
+turn; speedups are medians over rounds of same-round ratios to the baseline, and every
+greedy output is compared with the autoregressive one, token for token.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Result:
     tokens_per_second: float = 0.0
     run_tokens_per_second: list[float] = field(default_factory=list)
     speedup: float | None = None
+    prompt_speedups: list[float] = field(default_factory=list)
+    median_prompt_speedup: float | None = None
     acceptance_rate: float | None = None
     tokens_per_forward: float | None = None
     draft_share: float | None = None
@@ -91,23 +94,20 @@ class Method:
     run: object
     decoder: SpeculativeDecoder | None = None
     outputs: list = field(default_factory=list)
+    prompt_speeds: list = field(default_factory=list)
     peak: int = 0
     before: int = 0
 
 
-def one_pass(method: Method, prompts, max_new, eos) -> float:
-    """Generate for every prompt once; returns tokens/s and keeps the outputs."""
+def timed(method: Method, ids, max_new, eos) -> float:
+    """Generate for one prompt; keeps the output and the peak memory, returns the seconds."""
     with PeakMemory() as memory:
-        outputs, tokens, started = [], 0, time.perf_counter()
-        for ids in prompts:
-            out = method.run(ids, max_new, eos)
-            outputs.append(out)
-            tokens += len(out)
-        speed = tokens / (time.perf_counter() - started)
-    method.outputs = outputs
+        started = time.perf_counter()
+        method.outputs.append(method.run(ids, max_new, eos))
+        seconds = time.perf_counter() - started
     method.peak = max(method.peak, memory.peak)
     method.before = method.before or memory.before
-    return speed
+    return seconds
 
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
@@ -117,9 +117,10 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
     first (SpeculativeConfig.prompt_lookup). After a warm-up of every method, each of the
-    `runs` rounds times the autoregressive baseline and then every method on all prompts:
-    a method's speedup is the median over rounds of its speed over the baseline's speed in
-    the same round, so that a machine that drifts between minutes does not skew ratios.
+    `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
+    so that a machine whose speed drifts slows all methods alike. A method's speedup is
+    the median over rounds of its speed (all prompts) over the baseline's in the same
+    round; per prompt, the median over rounds of the same ratio for that prompt alone.
     """
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
                                                                                             eos_token_id=e))]
@@ -152,10 +153,18 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
             method.decoder.reset_stats()
     speeds = {id(m): [] for m in methods}
     ratios = {id(m): [] for m in methods}
-    for round_number in range(runs):
+    for round_number in range(runs):  # prompt by prompt, every method in turn: drift hits all alike
+        seconds = {id(m): [] for m in methods}
         for method in methods:
-            speeds[id(method)].append(one_pass(method, prompts, max_new, eos))
+            method.outputs = []
+        for ids in prompts:
+            for method in methods:
+                seconds[id(method)].append(timed(method, ids, max_new, eos))
+        for method in methods:
+            lengths = list(map(len, method.outputs))
+            speeds[id(method)].append(sum(lengths) / sum(seconds[id(method)]))
             ratios[id(method)].append(speeds[id(method)][-1] / speeds[id(methods[0])][-1])
+            method.prompt_speeds.append([n / t for n, t in zip(lengths, seconds[id(method)])])
         log(f"  round {round_number + 1}: " + ", ".join(f"{m.result.name} {ratios[id(m)][-1]:.2f}x"
                                                         for m in methods[1:]))
     baseline = statistics.median(speeds[id(methods[0])])
@@ -164,6 +173,11 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
         result.run_tokens_per_second = [round(v, 2) for v in speeds[id(method)]]
         result.tokens_per_second = statistics.median(speeds[id(method)])
         result.speedup = statistics.median(ratios[id(method)])
+        result.prompt_speedups = [  # per prompt: the median over rounds of its same-round ratio
+            round(statistics.median(mine[i] / base[i] for mine, base in zip(method.prompt_speeds,
+                                                                              methods[0].prompt_speeds)), 3)
+            for i in range(len(prompts))]
+        result.median_prompt_speedup = statistics.median(result.prompt_speedups)
         result.identical = method.outputs == methods[0].outputs
         result.peak_rss_mb = method.peak / 2 ** 20
         result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
@@ -233,9 +247,9 @@ def table(report: dict) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    grid = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, median of "
-                       f"{report['runs']} runs ({report['machine']})")
-    for column in ("method", "tokens/s", "speedup", "predicted", "alpha", "tau", "draft %", "verify %",
+    grid = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, medians of "
+                       f"{report['runs']} rounds ({report['machine']})")
+    for column in ("method", "tokens/s", "speedup", "per prompt", "predicted", "alpha", "tau", "draft %", "verify %",
                    "overhead %", "peak MB", "identical"):
         grid.add_column(column, justify="left" if column == "method" else "right")
 
@@ -244,11 +258,12 @@ def table(report: dict) -> str:
 
     for m in report["methods"]:
         grid.add_row(m["name"], fmt(m["tokens_per_second"], "{:.1f}"), fmt(m["speedup"], "{:.2f}x"),
-                     fmt(m["predicted_speedup"], "{:.2f}x"), fmt(m["acceptance_rate"]), fmt(m["tokens_per_forward"]),
+                     fmt(m.get("median_prompt_speedup"), "{:.2f}x"), fmt(m["predicted_speedup"], "{:.2f}x"),
+                     fmt(m["acceptance_rate"]), fmt(m["tokens_per_forward"]),
                      fmt(m["draft_share"], "{:.0f}", 100), fmt(m["verify_share"], "{:.0f}", 100),
                      fmt(m["overhead_share"], "{:.0f}", 100), fmt(m["peak_rss_mb"], "{:.0f}"),
                      {True: "yes", False: "NO", None: "-"}[m["identical"]])
-    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+    console = Console(width=180, record=True, file=open(os.devnull, "w"))
     console.print(grid)
     return console.export_text()
 

@@ -218,10 +218,12 @@ def run_train(args) -> int:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="compare autoregressive, speculative (each draft, each K, adaptive), n-gram "
                        "and transformers' own methods on the same prompts",
-                       description="Benchmark in one process: tokens/s (median of --runs after a warm-up), "
-                                   "speedup over autoregressive, acceptance rate, tokens per target forward, "
-                                   "where the time goes, peak memory, and whether the output is identical to "
-                                   "the autoregressive output. The last line of stdout is JSON with --json.")
+                       description="Benchmark in one process: after a warm-up, --runs rounds, each going prompt "
+                                   "by prompt through every method; tokens/s and speedup over autoregressive "
+                                   "(medians over rounds of same-round ratios, also per prompt), acceptance "
+                                   "rate, tokens per target forward, where the time goes, peak memory, and "
+                                   "whether the output is identical to the autoregressive output. The last line "
+                                   "of stdout is JSON with --json.")
     p.add_argument("--target", default="default", help="target model path or preset (default: %(default)s)")
     p.add_argument("--draft", action="append", default=None, help="a draft (path, preset, or s4d); repeat to "
                    "compare several (default: the target's shipped drafts, none for other targets)")
@@ -229,7 +231,7 @@ def add_bench(sub) -> None:
                    "held-out standard-library functions, for the shipped target)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per method (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="timed rounds over all prompts (default: %(default)s)")
     p.add_argument("--k", default="1,2,4,8", help="fixed K values, comma separated (default: %(default)s)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")

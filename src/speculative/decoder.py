@@ -175,16 +175,15 @@ class SpeculativeDecoder:
                     policy.costs[len(rows)] = self._measure_costs(state, rows)
                 k = cfg.num_draft_tokens if policy is None else policy.choose(len(rows))
                 # Each row drafts at most what it can still use, whatever the rest of the batch.
-                limits = [max(0, min(k, left - 1)) for left in remaining]
+                caps = [max(0, min(cfg.num_draft_tokens, left - 1)) for left in remaining]
+                limits = [min(k, cap) for cap in caps]
                 min_confidence = None if policy is None or k == 0 else policy.min_confidence(len(rows))
-                proposal, draft_seconds = self._propose(rows, limits, min_confidence)
+                proposal, draft_seconds = self._propose(rows, limits, caps, min_confidence)
                 accepted, extra, verify_seconds = self._verify(state, rows, proposal, target_gens)
             stats.target_forwards += 1
             stats.record_step(proposal.lengths, accepted)
             if policy is not None:
-                policy.observe(proposal.lengths, accepted, proposal.confidences)
-                policy.observe_costs(len(rows), proposal.tokens.shape[1] + 1, verify_seconds,
-                                     sum(proposal.lengths), draft_seconds)
+                learn(policy, len(rows), proposal, accepted, verify_seconds, draft_seconds)
             drafts = proposal.tokens.tolist()
             events = []
             for i, r in enumerate(active):
@@ -200,19 +199,21 @@ class SpeculativeDecoder:
             stats.total_seconds += time.perf_counter() - started
             yield from events
 
-    def _propose(self, rows: list[list[int]], limits: list[int], min_confidence: float | None):
-        """Drafts for this step (at most limits[b] for row b), cut to the longest row's draft:
-        no row drafting means a plain one-token target step, with nothing wasted. Returns the
-        proposal and the seconds spent."""
-        if max(limits) <= 0:
+    def _propose(self, rows: list[list[int]], limits: list[int], caps: list[int], min_confidence: float | None):
+        """Drafts for this step (at most limits[b] for row b; prompt lookup in front of a draft
+        model, being free, up to caps[b]), cut to the longest row's draft: no row drafting
+        means a plain one-token target step, with nothing wasted. Returns the proposal and
+        the seconds spent."""
+        lookup_first = isinstance(self.proposer, HybridProposer)
+        if max(caps if lookup_first else limits) <= 0:
             empty = torch.zeros((len(rows), 0), dtype=torch.long, device=self.main_model.device)
             return Proposal(empty, [0] * len(rows)), 0.0
         started = time.perf_counter()
         forward_before = getattr(self.proposer, "forward_seconds", 0.0)
+        kwargs = {"lookup_limits": caps} if lookup_first else {}
         if min_confidence is not None and getattr(self.proposer, "reports_confidence", False):
-            proposal = self.proposer.propose(rows, limits, min_confidence=min_confidence)
-        else:
-            proposal = self.proposer.propose(rows, limits)
+            kwargs["min_confidence"] = min_confidence
+        proposal = self.proposer.propose(rows, limits, **kwargs)
         seconds = time.perf_counter() - started
         self.stats.draft_seconds += seconds
         self.stats.draft_forward_seconds += getattr(self.proposer, "forward_seconds", 0.0) - forward_before
@@ -220,7 +221,7 @@ class SpeculativeDecoder:
         probs = None if proposal.probs is None else proposal.probs[:, :width]
         confidences = None if proposal.confidences is None else [c[:width] for c in proposal.confidences]
         return Proposal(proposal.tokens[:, :width].to(self.main_model.device), proposal.lengths, probs,
-                        confidences), seconds
+                        confidences, proposal.free), seconds
 
     def _verify(self, state, rows: list[list[int]], proposal: Proposal, generators):
         """One target forward over the last committed token and the drafts, then the
@@ -260,6 +261,17 @@ class SpeculativeDecoder:
         for width in widths[1:]:
             costs.add(width, seconds[width], weight=3.0)  # worth a few observed steps
         return costs
+
+
+def learn(policy: AdaptivePolicy, batch: int, proposal: Proposal, accepted: list[int], verify_seconds: float,
+          draft_seconds: float) -> None:
+    """Feed one step to the adaptive policy; rows drafted for free (lookup) teach it
+    nothing about the draft model."""
+    rows = [i for i, free in enumerate(proposal.free or [False] * len(accepted)) if not free]
+    lengths = [proposal.lengths[i] for i in rows]
+    confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in rows]
+    policy.observe(lengths, [accepted[i] for i in rows], confidences)
+    policy.observe_costs(batch, proposal.tokens.shape[1] + 1, verify_seconds, sum(lengths), draft_seconds)
 
 
 def synchronize(device) -> None:

@@ -25,6 +25,9 @@ class Proposal:
     probs: torch.Tensor | None = None
     # Per row, the draft's probability of each drafted token (for adaptive K); None if unknown.
     confidences: list[list[float]] | None = None
+    # Per row, True where the drafts cost nothing to make (prompt lookup in front of a draft
+    # model): the adaptive policy, which sizes the draft model's K, does not learn from them.
+    free: list[bool] | None = None
 
 
 class Proposer(Protocol):

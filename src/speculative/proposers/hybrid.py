@@ -5,6 +5,10 @@ n-gram match predicts many tokens at no drafting cost. Elsewhere the draft model
 Per row and per step: a row whose longest n-gram match has at least `min_match` tokens
 takes the lookup's tokens; the other rows take the draft model's (which then runs for the
 batch, rows that do not need it asking for no tokens).
+
+Lookup costs nothing, so its rows may draft up to `lookup_limits` whatever K the adaptive
+policy gives the draft model: when the policy finds that the model does not pay (K = 0),
+lookup goes on alone, and then takes matches of any length.
 """
 
 from __future__ import annotations
@@ -34,14 +38,16 @@ class HybridProposer:
         self.drafter.start(prompts, capacity, generators)
         self.ngram.start(prompts, capacity, generators)
 
-    def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
-        looked_up, matched = self.ngram.lookup(sequences, limits)
-        use_lookup = [n >= self.min_match for n in matched]
-        self._used_model = not all(use_lookup)
+    def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None,
+                lookup_limits: list[int] | None = None) -> Proposal:
+        looked_up, matched = self.ngram.lookup(sequences, limits if lookup_limits is None else lookup_limits)
+        use_lookup = [n >= self.min_match or (n > 0 and k == 0) for n, k in zip(matched, limits)]
+        model_limits = [0 if use else k for use, k in zip(use_lookup, limits)]
+        self._used_model = max(model_limits) > 0
         if not self._used_model:
-            return Proposal(pad_rows(looked_up), [len(d) for d in looked_up])
-        drafted = self.drafter.propose(sequences, [0 if u else k for u, k in zip(use_lookup, limits)],
-                                       min_confidence=min_confidence)
+            looked_up = [d if use else [] for use, d in zip(use_lookup, looked_up)]
+            return Proposal(pad_rows(looked_up), [len(d) for d in looked_up], free=use_lookup)
+        drafted = self.drafter.propose(sequences, model_limits, min_confidence=min_confidence)
         width = max([drafted.tokens.shape[1]] + [len(d) for d in looked_up])
         device = drafted.tokens.device
         tokens = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
@@ -62,7 +68,7 @@ class HybridProposer:
         if drafted.confidences is not None:
             confidences = [[1.0] * len(d) if use else c for use, d, c in
                            zip(use_lookup, looked_up, drafted.confidences)]
-        return Proposal(tokens, lengths, probs, confidences)
+        return Proposal(tokens, lengths, probs, confidences, free=use_lookup)
 
     def commit(self, sequences: list[list[int]]) -> None:
         if self._used_model:
