@@ -130,6 +130,16 @@ def test_stats_and_reset(pair):
     assert decoder.stats.generated == 0 and decoder.acceptance_rate() == 0.0
 
 
+def test_conditional_acceptance_counts_only_the_drafts_the_target_judged():
+    from speculative import DecodeStats
+
+    stats = DecodeStats()
+    stats.record_step([4, 4, 2], [1, 4, 0])  # reached: 2 (kept, rejected), 4, 1
+    assert stats.drafted_at == [3, 3, 2, 2] and stats.accepted_at == [2, 1, 1, 1]
+    assert stats.acceptance_rate == 5 / 10
+    assert stats.conditional_acceptance == 5 / 7
+
+
 def test_adaptive_k_is_used_when_sampling_without_a_seed_and_pinned_with_one(pair):
     draft, target = pair
     decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(greedy_verification=False, num_draft_tokens=4))

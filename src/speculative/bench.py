@@ -69,6 +69,7 @@ class Result:
     prompt_speedups: list[float] = field(default_factory=list)
     median_prompt_speedup: float | None = None
     acceptance_rate: float | None = None
+    conditional_acceptance: float | None = None
     tokens_per_forward: float | None = None
     draft_share: float | None = None
     verify_share: float | None = None
@@ -185,6 +186,7 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
         stats = method.decoder.stats if method.decoder is not None else None
         if stats is not None and stats.total_seconds > 0:
             result.acceptance_rate = stats.acceptance_rate
+            result.conditional_acceptance = stats.conditional_acceptance
             result.tokens_per_forward = stats.tokens_per_forward
             decode = stats.total_seconds - stats.prefill_seconds
             result.draft_share = stats.draft_forward_seconds / decode
@@ -193,7 +195,7 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
             if not result.adaptive and stats.drafted and stats.target_forwards:
                 c = stats.draft_forward_seconds / stats.drafted * baseline
                 v = stats.target_forward_seconds / stats.target_forwards * baseline
-                result.predicted_speedup = predicted_speedup(stats.acceptance_rate, result.k, c, v)
+                result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
             "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
 
@@ -249,8 +251,8 @@ def table(report: dict) -> str:
 
     grid = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, medians of "
                        f"{report['runs']} rounds ({report['machine']})")
-    for column in ("method", "tokens/s", "speedup", "per prompt", "predicted", "alpha", "tau", "draft %", "verify %",
-                   "overhead %", "peak MB", "identical"):
+    for column in ("method", "tokens/s", "speedup", "per prompt", "predicted", "alpha", "alpha judged", "tau",
+                   "draft %", "verify %", "overhead %", "peak MB", "identical"):
         grid.add_column(column, justify="left" if column == "method" else "right")
 
     def fmt(value, pattern="{:.2f}", scale=1.0):
@@ -259,7 +261,8 @@ def table(report: dict) -> str:
     for m in report["methods"]:
         grid.add_row(m["name"], fmt(m["tokens_per_second"], "{:.1f}"), fmt(m["speedup"], "{:.2f}x"),
                      fmt(m.get("median_prompt_speedup"), "{:.2f}x"), fmt(m["predicted_speedup"], "{:.2f}x"),
-                     fmt(m["acceptance_rate"]), fmt(m["tokens_per_forward"]),
+                     fmt(m["acceptance_rate"]), fmt(m.get("conditional_acceptance")),
+                     fmt(m["tokens_per_forward"]),
                      fmt(m["draft_share"], "{:.0f}", 100), fmt(m["verify_share"], "{:.0f}", 100),
                      fmt(m["overhead_share"], "{:.0f}", 100), fmt(m["peak_rss_mb"], "{:.0f}"),
                      {True: "yes", False: "NO", None: "-"}[m["identical"]])

@@ -11,6 +11,8 @@ class DecodeStats:
     drafted: int = 0
     # Drafted tokens the target kept.
     accepted: int = 0
+    # Drafted tokens the target looked at: those whose predecessors were all kept.
+    reached: int = 0
     # Target forward passes after the prompt (each scores K+1 positions at once).
     target_forwards: int = 0
     # Tokens emitted (accepted + recovered + bonus), after EOS / max_new_tokens truncation.
@@ -31,6 +33,13 @@ class DecodeStats:
     def acceptance_rate(self) -> float:
         """alpha = accepted / drafted (0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def conditional_acceptance(self) -> float:
+        """accepted / reached: the chance that a drafted token is kept when the ones before it
+        were, the alpha of Leviathan et al.'s formula (accepted / drafted also counts tokens
+        after a rejection, which the target never judged)."""
+        return self.accepted / self.reached if self.reached else 0.0
 
     @property
     def tokens_per_forward(self) -> float:
@@ -62,6 +71,7 @@ class DecodeStats:
         for n, a in zip(drafted, accepted):
             self.drafted += n
             self.accepted += a
+            self.reached += min(n, a + 1)
             for i in range(n):
                 self.drafted_at[i] += 1
             for i in range(a):
@@ -70,7 +80,8 @@ class DecodeStats:
     def summary(self) -> dict:
         """A flat JSON-able view, properties included."""
         out = {k: v for k, v in self.__dict__.items()}
-        out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward,
+        out.update(acceptance_rate=self.acceptance_rate, conditional_acceptance=self.conditional_acceptance,
+                   tokens_per_forward=self.tokens_per_forward,
                    other_seconds=self.other_seconds, overhead_seconds=self.overhead_seconds,
                    tokens_per_second=self.tokens_per_second)
         return out
