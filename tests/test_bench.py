@@ -121,3 +121,17 @@ def test_adaptive_k_drafts_the_most_when_the_draft_is_cheap_and_perfect():
     assert decoder.generate(ids, 70) == autoregressive_generate(target, ids, 70)
     assert decoder.stats.acceptance_rate == 1.0
     assert decoder.stats.tokens_per_forward > 5  # K = 6 nearly every step
+
+
+def test_one_stalled_forward_does_not_switch_speculation_off():
+    from speculative.adaptive import AdaptivePolicy, Costs
+
+    costs = Costs(v1=0.010, draft=0.001)
+    costs.add(2, 0.012, weight=3.0, robust=False)
+    costs.add(5, 0.015, weight=3.0, robust=False)
+    policy = AdaptivePolicy(max_k=4, costs={1: costs})
+    policy.observe([4] * 20, [4] * 20, None)  # a perfect draft
+    assert policy.choose(1) == 4
+    policy.observe_costs(1, 5, 2.0, 4, 0.004)  # the machine stalled for two seconds once
+    assert costs.verify(5) < 0.03
+    assert policy.choose(1) == 4

@@ -36,7 +36,11 @@ class Costs:
     # Decayed sums (weight, x, y, xx, xy) of a least-squares line through (width, seconds), width >= 2.
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)
 
-    def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95) -> None:
+    def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
+        """One timing; `robust` caps it at twice the current estimate, so that one stall
+        (another process, a page fault) cannot switch speculation off for long."""
+        if robust and (self.sums[0] > 0 or width == 1):
+            seconds = min(seconds, 2 * self.verify(width))
         if width == 1:
             self.v1 = decay * self.v1 + (1 - decay) * seconds
             return
@@ -152,4 +156,4 @@ class AdaptivePolicy:
         costs = self.costs[batch]
         costs.add(width, verify_seconds)
         if drafted:
-            costs.draft = (1 - weight) * costs.draft + weight * draft_seconds / drafted
+            costs.draft = (1 - weight) * costs.draft + weight * min(draft_seconds / drafted, 2 * costs.draft)

@@ -259,7 +259,7 @@ class SpeculativeDecoder:
         probe = getattr(self.proposer, "probe_seconds", None)
         costs = Costs(v1=seconds[1], draft=probe(rows) if probe is not None else 1e-5)
         for width in widths[1:]:
-            costs.add(width, seconds[width], weight=3.0)  # worth a few observed steps
+            costs.add(width, seconds[width], weight=3.0, robust=False)  # worth a few observed steps
         return costs
 
 
