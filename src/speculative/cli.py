@@ -276,14 +276,10 @@ def run_bench(args) -> int:
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     names = args.draft if args.draft is not None else (["default-draft", "default-s4d", "default-draft+ngram"]
                                                         if args.target == "default" else [])
-    drafts, lookup = {}, []
-    for name in names:
-        if name == "ngram":
-            continue
-        model_name = draft_model_name(name)
-        drafts[name] = load_model(model_name, device=args.device)
-        if name.endswith("+ngram"):
-            lookup.append(name)
+    models = {model: load_model(model, device=args.device) for model in {draft_model_name(n) for n in names}
+              if model != "ngram"}  # one load per model, shared by its '+ngram' variant
+    drafts = {name: models[draft_model_name(name)] for name in names if name != "ngram"}
+    lookup = [name for name in drafts if name.endswith("+ngram")]
     limit = target.max_seq_len - args.max_new_tokens - max(ks) - 1 if target.max_seq_len else None
     prompts = bench_prompts(args, tokenizer, limit)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print

@@ -48,7 +48,7 @@ class HybridProposer:
             looked_up = [d if use else [] for use, d in zip(use_lookup, looked_up)]
             return Proposal(pad_rows(looked_up), [len(d) for d in looked_up], free=use_lookup)
         drafted = self.drafter.propose(sequences, model_limits, min_confidence=min_confidence)
-        width = max([drafted.tokens.shape[1]] + [len(d) for d in looked_up])
+        width = max([drafted.tokens.shape[1]] + [len(d) for use, d in zip(use_lookup, looked_up) if use])
         device = drafted.tokens.device
         tokens = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
         tokens[:, :drafted.tokens.shape[1]] = drafted.tokens

@@ -35,9 +35,6 @@ class PhaseConfig:
     weight_decay: float = 0.1
     # Distillation temperature (only with a teacher).
     temperature: float = 1.0
-    # With a teacher: learn its argmax (cross-entropy on hard labels) instead of its whole
-    # distribution; greedy speculative decoding only ever asks the draft for the argmax.
-    hard_labels: bool = False
     # Fixed number of steps (overrides the time budget), e.g. to match another phase.
     steps: int | None = None
     seed: int = 0
@@ -66,17 +63,14 @@ def learning_rate(step: int, total: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def phase_loss(model, window, teacher, temperature, autocast, hard_labels=False):
+def phase_loss(model, window, teacher, temperature, autocast):
     inputs, labels = window[:, :-1], window[:, 1:]
     with autocast():
         logits = model(inputs).float()
-        if teacher is not None:
-            with torch.no_grad():
-                target = teacher(inputs).float()
-            if hard_labels:
-                labels = target.argmax(-1)
-        if teacher is None or hard_labels:
+        if teacher is None:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        with torch.no_grad():
+            target = teacher(inputs).float()
     # Forward KL to the teacher's next-token distribution (DistillSpec, arXiv 2310.08461).
     log_q = F.log_softmax(logits / temperature, -1)
     p = F.softmax(target / temperature, -1)
@@ -131,7 +125,7 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total or 10 ** 9, cfg.lr)
-        loss = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast, cfg.hard_labels)
+        loss = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
