@@ -81,7 +81,7 @@ def section_gemma():
 def section_batch():
     target, tokenizer = load_model("default"), load_tokenizer("default")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
-    report = {"default": batch_throughput(target, load_model("default-draft"), ids, max_new=64, k=4,
+    report = {"default": batch_throughput(target, load_model("default-draft"), ids, max_new=64, k=4, runs=5,
                                           prompt_lookup=True)}
     gemma = load_model("gemma-3-270m")
     from speculative import NGramProposer

@@ -1,11 +1,12 @@
 """`speculative bench` end to end on a tiny pair, and adaptive K on a useless draft."""
 
 import json
+import time
 
 import pytest
 import torch
 
-from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
 from speculative.cli import main
 from helpers import TableModel, perturbed, tiny
 
@@ -130,8 +131,71 @@ def test_one_stalled_forward_does_not_switch_speculation_off():
     costs.add(2, 0.012, weight=3.0, robust=False)
     costs.add(5, 0.015, weight=3.0, robust=False)
     policy = AdaptivePolicy(max_k=4, costs={1: costs})
-    policy.observe([4] * 20, [4] * 20, None)  # a perfect draft
-    assert policy.choose(1) == 4
+    policy.model.observe([4] * 20, [4] * 20)  # a perfect draft
+    assert policy.plan(1, [0], [False], [4], has_model=True).width == 4
     policy.observe_costs(1, 5, 2.0, 4, 0.004)  # the machine stalled for two seconds once
     assert costs.verify(5) < 0.03
-    assert policy.choose(1) == 4
+    assert policy.plan(1, [0], [False], [4], has_model=True).width == 4
+
+
+class ComputeBoundTarget(TableModel):
+    """A Markov table whose forward takes 1 ms plus 0.4 ms per token in the batch: like a
+    CPU, where one row leaves the matrix units idle and many rows fill them."""
+
+    def forward(self, tokens, state, num_valid=None, keep_logits=True):
+        time.sleep(0.001 + 0.0004 * tokens.numel())
+        return super().forward(tokens, state, num_valid, keep_logits)
+
+
+def cyclic_table(vocab: int = 16, cycle: int = 7) -> torch.Tensor:
+    """Greedy decoding repeats a cycle of `cycle` tokens: prompt lookup finds the next ones."""
+    table = torch.zeros(vocab, vocab)
+    for token in range(vocab):
+        table[token, (token + 1) % cycle if token < cycle else 0] = 10.0
+    return table
+
+
+class HalfWrongLookup(NGramProposer):
+    """Prompt lookup whose drafts are wrong from their first token at every other step."""
+
+    calls = 0
+
+    def lookup(self, sequences, limits):
+        drafts, matched = super().lookup(sequences, limits)
+        self.calls += 1
+        if self.calls % 2:
+            drafts = [[(d[0] + 1) % 7] + d[1:] if d else d for d in drafts]
+        return drafts, matched
+
+
+def test_adaptive_drafting_stops_at_a_batch_size_where_it_cannot_pay():
+    target = ComputeBoundTarget(cyclic_table())
+    drafted_per_row = {}
+    for size in (1, 16):
+        prompts = [[(i + j) % 7 for j in range(8)] for i in range(size)]
+        decoder = SpeculativeDecoder(target, HalfWrongLookup(num_draft_tokens=4), SpeculativeConfig(num_draft_tokens=4))
+        assert decoder.generate(prompts, 60) == autoregressive_generate(target, prompts, 60)
+        drafted_per_row[size] = decoder.stats.drafted / size / decoder.stats.target_forwards
+    # Drafts of 4 tokens, all kept half the time: 3 tokens a step. One row: a forward of 5
+    # tokens costs 3 ms against 1.4 ms for one, so nearly every step drafts. 16 rows: 33 ms against
+    # 7.4 ms, more than the tokens it saves (narrower drafts neither), so only probes draft.
+    assert drafted_per_row[1] > 2
+    assert drafted_per_row[16] < 0.3
+
+
+def test_plan_charges_the_verify_width_once_for_the_batch():
+    from speculative.adaptive import AdaptivePolicy, Costs
+
+    costs = Costs(v1=0.010, draft=0.0001)
+    costs.add(2, 0.011, weight=3.0, robust=False)
+    costs.add(5, 0.020, weight=3.0, robust=False)  # each token of width costs 3 ms
+    policy = AdaptivePolicy(max_k=4, costs={4: costs})
+    policy.lookup.observe([4] * 30, [4] * 30)  # lookup is always right
+    policy.model.observe([4] * 30, [1] * 30)  # the draft model's first token is kept, never the second
+    # No lookup drafts: the model's rows pay for the width they need, one token.
+    plan = policy.plan(4, [0, 0, 0, 0], [False] * 4, [4] * 4, has_model=True)
+    assert plan.width == 1 and plan.use_model
+    # Three rows have 4-token lookup drafts: the forward is 5 wide whatever the fourth row
+    # does, so the model drafting 4 tokens for it costs only the draft's forwards.
+    plan = policy.plan(4, [4, 4, 4, 0], [True, True, True, False], [4] * 4, has_model=True)
+    assert plan.width == 4 and plan.use_model

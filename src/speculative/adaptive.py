@@ -1,21 +1,28 @@
-"""Adaptive draft length: choose K at every step to maximise expected tokens per second.
+"""Adaptive drafting: plan every step of the whole batch to maximise tokens per second.
 
-The policy keeps three running estimates, all with exponential forgetting so that it
-follows a workload that changes from easy to hard prompts:
+The policy keeps running estimates, all with exponential forgetting so that it follows a
+workload that changes from easy to hard prompts:
 
-- acceptance per drafted position j: P(token j accepted | tokens before it accepted);
-- costs at the current batch size: a target forward of width 1 costs v1 seconds, and of
-  width T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row
-  product is a matrix-vector kernel of its own); first from probe forwards, then from
-  every step; a drafted token costs d seconds;
-- acceptance as a function of the draft's confidence (its probability for the token).
+- acceptance per drafted position j, P(token j kept | tokens before it kept), one table
+  for the draft model and one for prompt lookup;
+- costs at each batch size: a target forward of width 1 costs v1 seconds, and of width
+  T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row product is a
+  matrix-vector kernel of its own); first from probe forwards, then from every step; one
+  forward of the draft model over the batch costs d seconds;
+- acceptance of the draft model as a function of its confidence (its probability for
+  the token).
 
-Expected tokens of a step with K drafts: E(K) = 1 + sum_{i=1..K} prod_{j<i} alpha_j; cost
-K d + v(K + 1). K maximises E(K) / cost, and K = 0 (a plain target step) wins when
-speculation cannot pay; a step with K = 1 is then still tried every `probe_every` steps
-so that the estimates can recover. Within a step a row stops drafting at a token whose
-confidence predicts an acceptance below break-even, (d + s) / v1: the token would cost
-more than it is expected to save.
+A step is planned for the batch as a whole, because the batch shares one verify forward
+as wide as its longest draft and one draft-model forward per drafted position. Knowing
+each row's lookup match (free to find), the plan picks the width W (most tokens any row
+drafts) and whether the draft model runs, maximising expected tokens over the whole
+batch divided by the step's cost, v(1 + widest draft) + W d. A row expects
+E(n) = 1 + sum_{i=1..n} prod_{j<i} alpha_j tokens from n drafts. W = 0 (a plain target
+step) wins when speculation cannot pay, as happens on CPUs once the batch is large
+enough that a wider forward costs as much as the tokens it saves; a probe step is then
+still tried every `probe_every` steps so that the estimates can recover. Within a step a
+model row stops drafting at a token whose confidence predicts an acceptance below
+break-even, (d + s) / v1: the token would cost more than it is expected to save.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ BINS = 10
 
 @dataclass
 class Costs:
-    """Seconds of target forwards by width, and of one drafted token."""
+    """Seconds of target forwards by width, and of one draft-model forward, at one batch size."""
 
     # Width 1 (a plain step).
     v1: float
-    # Seconds per drafted token.
+    # Seconds per draft-model forward over the batch (one drafted position for every row).
     draft: float
     # Decayed sums (weight, x, y, xx, xy) of a least-squares line through (width, seconds), width >= 2.
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)
@@ -67,8 +74,9 @@ class Costs:
 
 
 @dataclass
-class AdaptivePolicy:
-    # Upper bound on K.
+class Acceptance:
+    """Decayed counts of drafted positions reached and kept, one source of drafts."""
+
     max_k: int
     # Prior acceptance per position before anything is observed (optimistic, so drafting is tried).
     prior: float = 0.7
@@ -76,20 +84,10 @@ class AdaptivePolicy:
     prior_weight: float = 2.0
     # Forgetting factor per observation (0.97: roughly the last 30 observations count).
     decay: float = 0.97
-    # With K = 0 chosen, draft one token every this many steps to keep learning.
-    probe_every: int = 16
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
-    costs: dict[int, Costs] = field(default_factory=dict)
-    conf_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
-    conf_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
-    idle_steps: int = 0
-    # True while a probe step runs: it drafts one token whatever the confidence.
-    probing: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         self.accepted = self.accepted or [0.0] * self.max_k
         self.reached = self.reached or [0.0] * self.max_k
 
@@ -97,63 +95,120 @@ class AdaptivePolicy:
         m = self.prior_weight
         return (self.accepted[position] + m * self.prior) / (self.reached[position] + m)
 
-    def choose(self, batch: int) -> int:
-        """K for the next step of a batch of this many rows (needs costs for it)."""
+    def expected(self) -> list[float]:
+        """E(n) for n = 0..max_k: tokens a row gets from n drafts (the target adds one)."""
+        totals, alive = [1.0], 1.0
+        for position in range(self.max_k):
+            alive *= self.alpha(position)
+            totals.append(totals[-1] + alive)
+        return totals
+
+    def observe(self, lengths: list[int], accepted: list[int]) -> None:
+        for length, kept in zip(lengths, accepted):
+            for j in range(min(length, kept + 1)):  # positions that were reached
+                self.reached[j] = self.decay * self.reached[j] + 1
+                self.accepted[j] = self.decay * self.accepted[j] + (j < kept)
+
+
+@dataclass
+class Plan:
+    """What one step drafts: every row at most `width` tokens; the draft model runs for
+    the rows without a lookup match only if `use_model`."""
+
+    width: int
+    use_model: bool
+    # Draft confidence below which a model row stops drafting (0 = never stop).
+    min_confidence: float = 0.0
+
+
+@dataclass
+class AdaptivePolicy:
+    # Upper bound on the draft length.
+    max_k: int
+    # With no drafting chosen, draft one token every this many steps to keep learning.
+    probe_every: int = 16
+    model: Acceptance = None
+    lookup: Acceptance = None
+    costs: dict[int, Costs] = field(default_factory=dict)
+    conf_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    conf_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
+    # Steps since drafting ran at all, and since the draft model ran where it could have.
+    idle_steps: int = 0
+    model_idle_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        self.model = self.model or Acceptance(self.max_k)
+        self.lookup = self.lookup or Acceptance(self.max_k)
+
+    def plan(self, batch: int, lookup_lengths: list[int], strong: list[bool], caps: list[int],
+             has_model: bool) -> Plan:
+        """The next step of a batch of this many rows (needs costs for it). Row b has a
+        lookup draft of lookup_lengths[b] tokens (`strong` when its match is long enough to
+        be preferred to the draft model) and may draft at most caps[b] tokens."""
         costs = self.costs[batch]
-        best, best_rate, expected, alive = 0, 1.0 / costs.verify(1), 1.0, 1.0
-        for k in range(1, self.max_k + 1):  # E(k) grows by the chance that all k drafts are kept
-            alive *= self.alpha(k - 1)
-            expected += alive
-            rate = expected / (k * costs.draft + costs.verify(k + 1))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        self.probing = False
-        if self._break_even(costs) >= 1.0:
-            best = 0  # no token could be confident enough to pay for itself
-        if best == 0:
-            self.idle_steps += 1
-            self.probing = self.idle_steps % self.probe_every == 0
-            return 1 if self.probing else 0
-        self.idle_steps = 0
+        model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
+        best, best_rate = Plan(0, False), batch / costs.verify(1)
+        e_model, e_lookup = self.model.expected(), self.lookup.expected()
+        for use_model in (False, True) if model_pays else (False,):
+            for width in range(1, self.max_k + 1):
+                tokens, widest, model_width = 0.0, 0, 0
+                for length, preferred, cap in zip(lookup_lengths, strong, caps):
+                    if use_model and not preferred:
+                        n = min(width, cap)
+                        tokens += e_model[n]
+                        model_width = max(model_width, n)
+                    else:
+                        n = min(width, length)
+                        tokens += e_lookup[n]
+                    widest = max(widest, n)
+                if widest == 0:
+                    continue
+                rate = tokens / (costs.verify(widest + 1) + model_width * costs.draft)
+                if rate > best_rate:
+                    best, best_rate = Plan(width, use_model and model_width > 0), rate
+        could_use_model = has_model and any(not s and c > 0 for s, c in zip(strong, caps))
+        self.model_idle_steps = self.model_idle_steps + 1 if could_use_model and not best.use_model else 0
+        self.idle_steps = self.idle_steps + 1 if best.width == 0 else 0
+        probe_model = could_use_model and self.model_idle_steps >= self.probe_every
+        if probe_model or self.idle_steps >= self.probe_every:  # keep learning what is not used
+            self.idle_steps = self.model_idle_steps = 0
+            return Plan(max(1, best.width), probe_model or best.use_model)
+        if best.use_model:
+            best.min_confidence = self._min_confidence(costs)
         return best
 
     @staticmethod
     def _break_even(costs: Costs) -> float:
-        """Acceptance probability at which one more drafted token pays for itself."""
+        """Acceptance probability at which one more drafted position pays for itself."""
         return (costs.draft + costs.slope) / costs.v1
 
-    def min_confidence(self, batch: int) -> float:
-        """Draft confidence below which a row stops drafting (0 = never stop)."""
-        if self.probing:
-            return 0.0
-        break_even = self._break_even(self.costs[batch])
+    def _min_confidence(self, costs: Costs) -> float:
+        break_even = self._break_even(costs)
         for b in range(BINS):  # the lowest bin whose acceptance reaches break-even
             if self._conf_alpha(b) >= break_even:
                 return b / BINS
         return 1.0
 
     def _conf_alpha(self, b: int) -> float:
-        centre = (b + 0.5) / BINS  # prior: a calibrated draft
-        return (self.conf_accepted[b] + self.prior_weight * centre) / (self.conf_reached[b] + self.prior_weight)
+        centre, weight = (b + 0.5) / BINS, self.model.prior_weight  # prior: a calibrated draft
+        return (self.conf_accepted[b] + weight * centre) / (self.conf_reached[b] + weight)
 
-    def observe(self, lengths: list[int], accepted: list[int], confidences: list[list[float]] | None) -> None:
-        """Learn from one verification: per row, tokens drafted and tokens kept."""
-        for length, kept in zip(lengths, accepted):
-            for j in range(min(length, kept + 1)):  # positions that were reached
-                self.reached[j] = self.decay * self.reached[j] + 1
-                self.accepted[j] = self.decay * self.accepted[j] + (j < kept)
-        if confidences is None:
-            return
+    def observe_confidence(self, lengths: list[int], accepted: list[int], confidences: list[list[float]]) -> None:
+        """Learn acceptance by the draft model's confidence from its drafted tokens."""
+        decay = self.model.decay
         for length, kept, row in zip(lengths, accepted, confidences):
             for j in range(min(length, kept + 1)):
                 b = min(BINS - 1, int(row[j] * BINS))
-                self.conf_reached[b] = self.decay * self.conf_reached[b] + 1
-                self.conf_accepted[b] = self.decay * self.conf_accepted[b] + (j < kept)
+                self.conf_reached[b] = decay * self.conf_reached[b] + 1
+                self.conf_accepted[b] = decay * self.conf_accepted[b] + (j < kept)
 
-    def observe_costs(self, batch: int, width: int, verify_seconds: float, drafted: int, draft_seconds: float,
-                      weight: float = 0.1) -> None:
+    def observe_costs(self, batch: int, width: int, verify_seconds: float, draft_forwards: int,
+                      draft_seconds: float, weight: float = 0.1) -> None:
         """Refine the cost model of this batch size from one step's timings."""
         costs = self.costs[batch]
         costs.add(width, verify_seconds)
-        if drafted:
-            costs.draft = (1 - weight) * costs.draft + weight * min(draft_seconds / drafted, 2 * costs.draft)
+        if draft_forwards:
+            per_forward = min(draft_seconds / draft_forwards, 2 * costs.draft)
+            costs.draft = (1 - weight) * costs.draft + weight * per_forward

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 
 import torch
 
-from .adaptive import AdaptivePolicy, Costs
+from .adaptive import AdaptivePolicy, Costs, Plan
 from .config import SpeculativeConfig
 from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
 from .proposers.base import Proposal
 from .proposers.draft_model import DraftModelProposer, pad
 from .proposers.hybrid import HybridProposer
-from .proposers.ngram import NGramProposer
+from .proposers.ngram import NGramProposer, pad_rows
 from .sampling import make_generators, probabilities, sample
 from .stats import DecodeStats
 from .text import same_vocabulary
@@ -173,17 +173,26 @@ class SpeculativeDecoder:
             with torch.inference_mode():
                 if policy is not None and len(rows) not in policy.costs:
                     policy.costs[len(rows)] = self._measure_costs(state, rows)
-                k = cfg.num_draft_tokens if policy is None else policy.choose(len(rows))
                 # Each row drafts at most what it can still use, whatever the rest of the batch.
                 caps = [max(0, min(cfg.num_draft_tokens, left - 1)) for left in remaining]
-                limits = [min(k, cap) for cap in caps]
-                min_confidence = None if policy is None or k == 0 else policy.min_confidence(len(rows))
-                proposal, draft_seconds = self._propose(rows, limits, caps, min_confidence)
+                lookups, preferred = self._lookup(rows, caps)
+                has_model = not isinstance(proposer, NGramProposer)
+                if policy is None:
+                    plan = Plan(cfg.num_draft_tokens, has_model)
+                else:
+                    plan = policy.plan(len(rows), [len(d) for d in lookups], preferred, caps, has_model)
+                # A row takes its lookup draft when preferred, or when the draft model sits out.
+                lookup = [d[:plan.width] if d and (p or not plan.use_model) else None
+                          for d, p in zip(lookups, preferred)]
+                limits = [0 if d is not None or not plan.use_model else min(plan.width, cap)
+                          for d, cap in zip(lookup, caps)]
+                min_confidence = None if policy is None else plan.min_confidence
+                proposal, draft_seconds, forwards = self._propose(rows, lookup, limits, min_confidence)
                 accepted, extra, verify_seconds = self._verify(state, rows, proposal, target_gens)
             stats.target_forwards += 1
             stats.record_step(proposal.lengths, accepted)
             if policy is not None:
-                learn(policy, len(rows), proposal, accepted, verify_seconds, draft_seconds)
+                learn(policy, len(rows), proposal, limits, accepted, verify_seconds, forwards, draft_seconds)
             drafts = proposal.tokens.tolist()
             events = []
             for i, r in enumerate(active):
@@ -194,34 +203,52 @@ class SpeculativeDecoder:
                 events.append((r, new))
             with torch.inference_mode():
                 target.rollback(state, [len(sequences[r]) - 1 for r in active])
-                if max(limits) > 0:
+                if forwards is not None:  # the proposer ran: it rolls back to what was kept
                     proposer.commit([sequences[r] for r in active])
             stats.total_seconds += time.perf_counter() - started
             yield from events
 
-    def _propose(self, rows: list[list[int]], limits: list[int], caps: list[int], min_confidence: float | None):
-        """Drafts for this step (at most limits[b] for row b; prompt lookup in front of a draft
-        model, being free, up to caps[b]), cut to the longest row's draft: no row drafting
-        means a plain one-token target step, with nothing wasted. Returns the proposal and
-        the seconds spent."""
-        lookup_first = isinstance(self.proposer, HybridProposer)
-        if max(caps if lookup_first else limits) <= 0:
-            empty = torch.zeros((len(rows), 0), dtype=torch.long, device=self.main_model.device)
-            return Proposal(empty, [0] * len(rows)), 0.0
+    def _lookup(self, rows: list[list[int]], caps: list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Per row, what prompt lookup drafts for free (empty: no match), and whether it
+        is preferred to the draft model (a long enough match)."""
         started = time.perf_counter()
+        if isinstance(self.proposer, HybridProposer):
+            drafts, preferred = self.proposer.lookup_drafts(rows, caps)
+        elif isinstance(self.proposer, NGramProposer):
+            drafts, preferred = self.proposer.lookup(rows, caps)[0], [True] * len(rows)
+        else:
+            drafts, preferred = [[] for _ in rows], [False] * len(rows)
+        self.stats.draft_seconds += time.perf_counter() - started
+        return drafts, preferred
+
+    def _propose(self, rows: list[list[int]], lookup: list[list[int] | None], limits: list[int],
+                 min_confidence: float | None):
+        """Drafts for this step: row b takes lookup[b] if not None, else up to limits[b]
+        tokens from the draft model; cut to the longest row's draft (no row drafting
+        means a plain one-token target step, with nothing wasted). Returns the proposal,
+        the seconds spent and the draft-model forwards run (None: the proposer did not run)."""
+        device = self.main_model.device
+        started = time.perf_counter()
+        forwards_before = getattr(self.proposer, "forwards", 0)
         forward_before = getattr(self.proposer, "forward_seconds", 0.0)
-        kwargs = {"lookup_limits": caps} if lookup_first else {}
-        if min_confidence is not None and getattr(self.proposer, "reports_confidence", False):
-            kwargs["min_confidence"] = min_confidence
-        proposal = self.proposer.propose(rows, limits, **kwargs)
+        forwards = None
+        if max(limits) > 0:
+            kwargs = {"lookup": lookup} if isinstance(self.proposer, HybridProposer) else {}
+            if min_confidence is not None and getattr(self.proposer, "reports_confidence", False):
+                kwargs["min_confidence"] = min_confidence
+            proposal = self.proposer.propose(rows, limits, **kwargs)
+            forwards = getattr(self.proposer, "forwards", forwards_before + max(limits)) - forwards_before
+        else:
+            drafts = [d or [] for d in lookup]
+            proposal = Proposal(pad_rows(drafts), [len(d) for d in drafts], free=[d is not None for d in lookup])
         seconds = time.perf_counter() - started
         self.stats.draft_seconds += seconds
         self.stats.draft_forward_seconds += getattr(self.proposer, "forward_seconds", 0.0) - forward_before
         width = max(proposal.lengths)
         probs = None if proposal.probs is None else proposal.probs[:, :width]
         confidences = None if proposal.confidences is None else [c[:width] for c in proposal.confidences]
-        return Proposal(proposal.tokens[:, :width].to(self.main_model.device), proposal.lengths, probs,
-                        confidences, proposal.free), seconds
+        return Proposal(proposal.tokens[:, :width].to(device), proposal.lengths, probs,
+                        confidences, proposal.free), seconds, forwards
 
     def _verify(self, state, rows: list[list[int]], proposal: Proposal, generators):
         """One target forward over the last committed token and the drafts, then the
@@ -263,15 +290,20 @@ class SpeculativeDecoder:
         return costs
 
 
-def learn(policy: AdaptivePolicy, batch: int, proposal: Proposal, accepted: list[int], verify_seconds: float,
-          draft_seconds: float) -> None:
-    """Feed one step to the adaptive policy; rows drafted for free (lookup) teach it
-    nothing about the draft model."""
-    rows = [i for i, free in enumerate(proposal.free or [False] * len(accepted)) if not free]
-    lengths = [proposal.lengths[i] for i in rows]
-    confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in rows]
-    policy.observe(lengths, [accepted[i] for i in rows], confidences)
-    policy.observe_costs(batch, proposal.tokens.shape[1] + 1, verify_seconds, sum(lengths), draft_seconds)
+def learn(policy: AdaptivePolicy, batch: int, proposal: Proposal, limits: list[int], accepted: list[int],
+          verify_seconds: float, forwards: int | None, draft_seconds: float) -> None:
+    """Feed one step to the adaptive policy: lookup rows teach it the lookup's acceptance,
+    the others the draft model's. A model row that stopped drafting early (confidence)
+    counts as rejected where it stopped: the plan needs what a row allowed n drafts gets."""
+    free = proposal.free or [False] * len(accepted)
+    lookup = [i for i, f in enumerate(free) if f]
+    policy.lookup.observe([proposal.lengths[i] for i in lookup], [accepted[i] for i in lookup])
+    model = [i for i, f in enumerate(free) if not f and limits[i] > 0]
+    policy.model.observe([limits[i] for i in model], [accepted[i] for i in model])
+    if proposal.confidences is not None:
+        policy.observe_confidence([proposal.lengths[i] for i in model], [accepted[i] for i in model],
+                                  [proposal.confidences[i] for i in model])
+    policy.observe_costs(batch, proposal.tokens.shape[1] + 1, verify_seconds, forwards or 0, draft_seconds)
 
 
 def synchronize(device) -> None:

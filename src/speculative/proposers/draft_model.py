@@ -31,6 +31,8 @@ class DraftModelProposer:
         self._drafted = 0
         # Seconds inside draft forwards (the engine's overhead is what lies outside them).
         self.forward_seconds = 0.0
+        # Forwards while drafting (each drafts one position for the whole batch).
+        self.forwards = 0
 
     def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None:
         self.state = self.model.new_state(len(prompts), capacity)
@@ -85,6 +87,7 @@ class DraftModelProposer:
         started = time.perf_counter()
         logits = self.model.forward(tokens, self.state, num_valid)
         self.forward_seconds += time.perf_counter() - started
+        self.forwards += 1
         return logits
 
     def commit(self, sequences: list[list[int]]) -> None:

@@ -6,9 +6,8 @@ Per row and per step: a row whose longest n-gram match has at least `min_match` 
 takes the lookup's tokens; the other rows take the draft model's (which then runs for the
 batch, rows that do not need it asking for no tokens).
 
-Lookup costs nothing, so its rows may draft up to `lookup_limits` whatever K the adaptive
-policy gives the draft model: when the policy finds that the model does not pay (K = 0),
-lookup goes on alone, and then takes matches of any length.
+The decoder may decide the rows itself (its adaptive plan weighs lookup and the model for
+the batch as a whole): it then passes each row's lookup draft, or None for a model row.
 """
 
 from __future__ import annotations
@@ -34,21 +33,34 @@ class HybridProposer:
     def forward_seconds(self) -> float:
         return self.drafter.forward_seconds
 
+    @property
+    def forwards(self) -> int:
+        return self.drafter.forwards
+
     def start(self, prompts, capacity, generators) -> None:
         self.drafter.start(prompts, capacity, generators)
         self.ngram.start(prompts, capacity, generators)
 
+    def lookup_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Per row: the lookup's draft, and whether its match is long enough to be preferred."""
+        drafts, matched = self.ngram.lookup(sequences, limits)
+        return drafts, [n >= self.min_match for n in matched]
+
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None,
-                lookup_limits: list[int] | None = None) -> Proposal:
-        looked_up, matched = self.ngram.lookup(sequences, limits if lookup_limits is None else lookup_limits)
-        use_lookup = [n >= self.min_match or (n > 0 and k == 0) for n, k in zip(matched, limits)]
+                lookup: list[list[int] | None] | None = None) -> Proposal:
+        """Row b takes lookup[b] when it is not None, else up to limits[b] tokens from the
+        draft model. Without `lookup`, rows with a convincing match take the lookup's."""
+        if lookup is None:
+            drafts, strong = self.lookup_drafts(sequences, limits)
+            lookup = [d if s else None for d, s in zip(drafts, strong)]
+        use_lookup = [d is not None for d in lookup]
+        looked_up = [d or [] for d in lookup]
         model_limits = [0 if use else k for use, k in zip(use_lookup, limits)]
         self._used_model = max(model_limits) > 0
         if not self._used_model:
-            looked_up = [d if use else [] for use, d in zip(use_lookup, looked_up)]
             return Proposal(pad_rows(looked_up), [len(d) for d in looked_up], free=use_lookup)
         drafted = self.drafter.propose(sequences, model_limits, min_confidence=min_confidence)
-        width = max([drafted.tokens.shape[1]] + [len(d) for use, d in zip(use_lookup, looked_up) if use])
+        width = max([drafted.tokens.shape[1]] + [len(d) for d in looked_up])
         device = drafted.tokens.device
         tokens = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
         tokens[:, :drafted.tokens.shape[1]] = drafted.tokens
