@@ -91,15 +91,22 @@ class Acceptance:
         self.accepted = self.accepted or [0.0] * self.max_k
         self.reached = self.reached or [0.0] * self.max_k
 
-    def alpha(self, position: int) -> float:
-        m = self.prior_weight
-        return (self.accepted[position] + m * self.prior) / (self.reached[position] + m)
+    def alphas(self) -> list[float]:
+        """Acceptance per position. The prior of a position is `prior` or the estimate of
+        the one before it, whichever is higher (a draft right so far tends to stay right):
+        positions seldom reached, because the plan kept drafts short, are not held down."""
+        values, previous = [], self.prior
+        for accepted, reached in zip(self.accepted, self.reached):
+            prior = max(self.prior, previous)
+            previous = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+            values.append(previous)
+        return values
 
     def expected(self) -> list[float]:
         """E(n) for n = 0..max_k: tokens a row gets from n drafts (the target adds one)."""
         totals, alive = [1.0], 1.0
-        for position in range(self.max_k):
-            alive *= self.alpha(position)
+        for alpha in self.alphas():
+            alive *= alpha
             totals.append(totals[-1] + alive)
         return totals
 

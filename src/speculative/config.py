@@ -31,8 +31,9 @@ class SpeculativeConfig:
     top_p: float | None = None
     # Seed of the sampling generators; None draws a fresh seed from the OS.
     seed: int | None = None
-    # Choose K per step from measured acceptance and costs, drafting nothing when that
-    # cannot pay. Sampling with a seed keeps K fixed, so that output is reproducible.
+    # Plan every step for the whole batch from measured acceptance and costs: how far rows
+    # draft, whether the draft model runs; nothing is drafted when that cannot pay.
+    # Sampling with a seed keeps K fixed, so that output is reproducible.
     adaptive: bool = True
     # With a draft model: take the tokens that followed the last n-gram (n >= 2) earlier in
     # the prompt and output when there is one, and ask the draft model only otherwise.

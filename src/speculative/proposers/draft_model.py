@@ -35,13 +35,14 @@ class DraftModelProposer:
         self.forwards = 0
 
     def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None:
+        # The prompts are read at the first propose: a draft the adaptive plan never runs
+        # (large batches, or prompt lookup doing all the drafting) costs nothing.
         self.state = self.model.new_state(len(prompts), capacity)
         self.generators = list(generators)
-        heads = [p[:-1] for p in prompts]
-        if max(map(len, heads)) > 0:
-            self.model.forward(pad(heads, self.model.device), self.state, [len(h) for h in heads], keep_logits=False)
 
     reports_confidence = True
+    # Tokens the draft has not seen beyond which they are read first without logits.
+    catch_up = 8
 
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         """Draft up to limits[b] tokens for row b. With `min_confidence`, a row stops before
@@ -54,6 +55,10 @@ class DraftModelProposer:
             raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
                              f"{self.vocab_size} (a padded id the tokenizer does not have)")
         self._committed = [len(seq) for seq in sequences]
+        if max(map(len, pending)) > self.catch_up:  # the prompt, or text drafted while the model sat out
+            heads = [p[:-1] for p in pending]
+            self._forward(pad(heads, device), [len(h) for h in heads], keep_logits=False)
+            pending = [p[-1:] for p in pending]
         logits = self._forward(pad(pending, device), [len(p) for p in pending])
         rows = torch.arange(len(sequences), device=device)
         logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V)
@@ -83,9 +88,9 @@ class DraftModelProposer:
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
         return Proposal(self._tokens, lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
 
-    def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
         started = time.perf_counter()
-        logits = self.model.forward(tokens, self.state, num_valid)
+        logits = self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits)
         self.forward_seconds += time.perf_counter() - started
         self.forwards += 1
         return logits
