@@ -3,7 +3,7 @@
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from helpers import tiny
+from helpers import TableModel, tiny
 from test_greedy import CountingModel
 
 
@@ -65,3 +65,19 @@ def test_prompt_lookup_with_a_draft_model_is_exact_and_uses_both():
     sampled = SpeculativeConfig(adaptive=False, num_draft_tokens=4, prompt_lookup=True, greedy_verification=False,
                                 seed=3)
     assert len(SpeculativeDecoder(target, draft, sampled).generate(ids, 20)) == 20
+
+
+def test_a_draft_model_that_lookup_makes_unneeded_never_runs_not_even_on_the_prompt():
+    table = torch.zeros(16, 16)
+    for token in range(16):
+        table[token, (token + 1) % 7 if token < 7 else 0] = 10.0  # greedy output cycles through 0..6
+    target, draft = TableModel(table), TableModel(table)
+    calls = []
+    forward = draft.forward
+    draft.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    config = SpeculativeConfig(adaptive=False, num_draft_tokens=4, prompt_lookup=True)
+    prompts = [[(i + j) % 7 for j in range(9)] for i in range(3)]  # a whole cycle: lookup always matches
+    decoder = SpeculativeDecoder(target, draft, config)
+    assert decoder.generate(prompts, 30) == autoregressive_generate(target, prompts, 30)
+    assert decoder.stats.tokens_per_forward > 3
+    assert not calls

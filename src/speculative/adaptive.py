@@ -86,10 +86,14 @@ class Acceptance:
     decay: float = 0.97
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
+    # Rows allowed position j that had drafted every position before it, and of those the
+    # ones that drafted j too (a draft model stops early at a token of low confidence).
+    asked: list[float] = field(default_factory=list)
+    continued: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.accepted = self.accepted or [0.0] * self.max_k
-        self.reached = self.reached or [0.0] * self.max_k
+        for name in ("accepted", "reached", "asked", "continued"):
+            setattr(self, name, getattr(self, name) or [0.0] * self.max_k)
 
     def alphas(self) -> list[float]:
         """Acceptance per position. The prior of a position is `prior` or the estimate of
@@ -102,13 +106,35 @@ class Acceptance:
             values.append(previous)
         return values
 
+    def drafting(self) -> list[float]:
+        """Per position j, the chance that a row allowed j drafts it, given it drafted
+        every position before (1 until a stop is seen)."""
+        m = self.prior_weight
+        return [(c + m) / (a + m) for c, a in zip(self.continued, self.asked)]
+
     def expected(self) -> list[float]:
-        """E(n) for n = 0..max_k: tokens a row gets from n drafts (the target adds one)."""
+        """E(n) for n = 0..max_k: tokens a row allowed n drafts gets (the target adds one)."""
         totals, alive = [1.0], 1.0
-        for alpha in self.alphas():
-            alive *= alpha
+        for alpha, drafts in zip(self.alphas(), self.drafting()):
+            alive *= alpha * drafts
             totals.append(totals[-1] + alive)
         return totals
+
+    def forwards(self, width: int, rows: int) -> float:
+        """Expected draft-model forwards for `rows` rows allowed `width` drafts: the model
+        runs position i while any row still drafts."""
+        total, still = 0.0, 1.0
+        for i, drafts in enumerate(self.drafting()[:width]):
+            if i:
+                total += 1 - (1 - still) ** rows
+            still *= drafts
+        return 1.0 + total if width else 0.0
+
+    def observe_stops(self, limits: list[int], lengths: list[int]) -> None:
+        for limit, length in zip(limits, lengths):
+            for j in range(min(limit, length + 1)):
+                self.asked[j] = self.decay * self.asked[j] + 1
+                self.continued[j] = self.decay * self.continued[j] + (j < length)
 
     def observe(self, lengths: list[int], accepted: list[int]) -> None:
         for length, kept in zip(lengths, accepted):
@@ -149,33 +175,34 @@ class AdaptivePolicy:
         self.model = self.model or Acceptance(self.max_k)
         self.lookup = self.lookup or Acceptance(self.max_k)
 
-    def plan(self, batch: int, lookup_lengths: list[int], strong: list[bool], caps: list[int],
+    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],
              has_model: bool) -> Plan:
         """The next step of a batch of this many rows (needs costs for it). Row b has a
-        lookup draft of lookup_lengths[b] tokens (`strong` when its match is long enough to
-        be preferred to the draft model) and may draft at most caps[b] tokens."""
+        lookup draft of lookup_lengths[b] tokens (`preferred` to the draft model's when its
+        match is long enough) and may draft at most caps[b] tokens."""
         costs = self.costs[batch]
         model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
         best, best_rate = Plan(0, False), batch / costs.verify(1)
         e_model, e_lookup = self.model.expected(), self.lookup.expected()
         for use_model in (False, True) if model_pays else (False,):
             for width in range(1, self.max_k + 1):
-                tokens, widest, model_width = 0.0, 0, 0
-                for length, preferred, cap in zip(lookup_lengths, strong, caps):
-                    if use_model and not preferred:
+                tokens, widest, model_width, model_rows = 0.0, 0, 0, 0
+                for length, lookup_first, cap in zip(lookup_lengths, preferred, caps):
+                    if use_model and not lookup_first:
                         n = min(width, cap)
                         tokens += e_model[n]
-                        model_width = max(model_width, n)
+                        model_width, model_rows = max(model_width, n), model_rows + (n > 0)
                     else:
                         n = min(width, length)
                         tokens += e_lookup[n]
                     widest = max(widest, n)
                 if widest == 0:
                     continue
-                rate = tokens / (costs.verify(widest + 1) + model_width * costs.draft)
+                drafting = self.model.forwards(model_width, model_rows) * costs.draft
+                rate = tokens / (costs.verify(widest + 1) + drafting)
                 if rate > best_rate:
                     best, best_rate = Plan(width, use_model and model_width > 0), rate
-        could_use_model = has_model and any(not s and c > 0 for s, c in zip(strong, caps))
+        could_use_model = has_model and any(not p and c > 0 for p, c in zip(preferred, caps))
         self.model_idle_steps = self.model_idle_steps + 1 if could_use_model and not best.use_model else 0
         self.idle_steps = self.idle_steps + 1 if best.width == 0 else 0
         probe_model = could_use_model and self.model_idle_steps >= self.probe_every

@@ -293,13 +293,13 @@ class SpeculativeDecoder:
 def learn(policy: AdaptivePolicy, batch: int, proposal: Proposal, limits: list[int], accepted: list[int],
           verify_seconds: float, forwards: int | None, draft_seconds: float) -> None:
     """Feed one step to the adaptive policy: lookup rows teach it the lookup's acceptance,
-    the others the draft model's. A model row that stopped drafting early (confidence)
-    counts as rejected where it stopped: the plan needs what a row allowed n drafts gets."""
+    the others the draft model's, and where the model stopped short of its limit."""
     free = proposal.free or [False] * len(accepted)
     lookup = [i for i, f in enumerate(free) if f]
     policy.lookup.observe([proposal.lengths[i] for i in lookup], [accepted[i] for i in lookup])
     model = [i for i, f in enumerate(free) if not f and limits[i] > 0]
-    policy.model.observe([limits[i] for i in model], [accepted[i] for i in model])
+    policy.model.observe([proposal.lengths[i] for i in model], [accepted[i] for i in model])
+    policy.model.observe_stops([limits[i] for i in model], [proposal.lengths[i] for i in model])
     if proposal.confidences is not None:
         policy.observe_confidence([proposal.lengths[i] for i in model], [accepted[i] for i in model],
                                   [proposal.confidences[i] for i in model])
