@@ -145,6 +145,7 @@ class SpeculativeDecoder:
         target_gens = make_generators(seeds, target.device)
         draft_gens = make_generators([draft_seed(s) for s in seeds], target.device)
         capacity = max(len(p) + m for p, m in zip(prompts, budgets)) + cfg.num_draft_tokens + 1
+        has_model = not isinstance(proposer, NGramProposer)  # n-gram lookup alone: no model to plan for
 
         started = time.perf_counter()
         with torch.inference_mode():
@@ -176,7 +177,6 @@ class SpeculativeDecoder:
                 # Each row drafts at most what it can still use, whatever the rest of the batch.
                 caps = [max(0, min(cfg.num_draft_tokens, left - 1)) for left in remaining]
                 lookups, preferred = self._lookup(rows, caps)
-                has_model = not isinstance(proposer, NGramProposer)
                 if policy is None:
                     plan = Plan(cfg.num_draft_tokens, has_model)
                 else:
