@@ -65,3 +65,18 @@ def valid_counts(num_valid: list[int] | None, batch: int, width: int) -> list[in
     if len(num_valid) != batch or any(not 0 <= n <= width for n in num_valid):
         raise ValueError(f"num_valid must hold {batch} counts in 0..{width}, got {num_valid}")
     return num_valid
+
+
+def pad(rows: list[list[int]], device=None, value: int = 0) -> torch.Tensor:
+    """Token lists as a right-padded (B, max(1, longest)) long tensor."""
+    width = max(1, max(map(len, rows), default=0))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def prefill(model, prompts: list[list[int]], capacity: int):
+    """A fresh state that has seen every prompt but its last token (fed with the first step)."""
+    state = model.new_state(len(prompts), capacity)
+    heads = [p[:-1] for p in prompts]
+    if max(map(len, heads)) > 0:
+        model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=False)
+    return state
