@@ -48,6 +48,12 @@ class Costs:
     # Observed steps left before an estimate made from other batch sizes counts as measured:
     # until then timings are taken as they come, and it is not used to estimate others.
     estimated: int = 0
+    # Steps observed at this batch size.
+    steps: int = 0
+
+    def renew(self, other: "Costs") -> None:
+        """Take another's figures in place (every policy holding this object sees them)."""
+        self.v1, self.draft, self.sums, self.estimated = other.v1, other.draft, list(other.sums), other.estimated
 
     def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
         """One timing; `robust` caps it at twice the current estimate, so that one stall
@@ -181,9 +187,12 @@ class AdaptivePolicy:
 
     def prepare(self, batch: int, measure) -> None:
         """Have costs for a batch of this many rows before planning it: from the book (which
-        measures only when it knows no batch size at all) or, without a book, `measure()`."""
-        if batch not in self.costs:
-            self.costs[batch] = measure() if self.book is None else self.book.get(batch, self.max_k + 1, measure)
+        measures only when it knows no batch size at all, and once more when warm) or,
+        without a book, `measure()`."""
+        if self.book is not None:
+            self.costs[batch] = self.book.get(batch, self.max_k + 1, measure)
+        elif batch not in self.costs:
+            self.costs[batch] = measure()
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -260,6 +269,7 @@ class AdaptivePolicy:
         costs = self.costs[batch]
         costs.add(width, verify_seconds)
         costs.estimated = max(0, costs.estimated - 1)
+        costs.steps += 1
         if draft_forwards:
             per_forward = min(draft_seconds / draft_forwards, 2 * costs.draft)
             costs.draft = (1 - weight) * costs.draft + weight * per_forward

@@ -15,6 +15,10 @@ probed:
 
 Estimates are refined by the steps that follow (`AdaptivePolicy.observe_costs`) and serve
 to estimate other sizes once a few steps have been observed.
+
+The first forwards of a process can run many times slower than later ones (allocations,
+page faults, a busy machine): the book probes a second time once it has seen REPROBE_AFTER
+steps, and that warm probe replaces everything the first one led to.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from .adaptive import ESTIMATED_STEPS, Costs
 
 # Books by target model, then by (draft model id, dtype, threads, device).
 _BOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Observed steps after which the book's first probe is made again.
+REPROBE_AFTER = 32
 
 
 class CostBook:
@@ -35,6 +41,7 @@ class CostBook:
 
     def __init__(self, draft=None):
         self.costs: dict[int, Costs] = {}
+        self.probes = 0
         self._draft = None if draft is None else weakref.ref(draft)
 
     def draft_alive(self, draft) -> bool:
@@ -46,9 +53,18 @@ class CostBook:
         costs = self.costs.get(batch)
         if costs is None:
             known = {b: c for b, c in self.costs.items() if not c.estimated}
-            costs = estimate(known, batch, max_width) if known else measure()
+            costs = estimate(known, batch, max_width) if known else self._probe(measure)
             self.costs[batch] = costs
+        elif self.probes == 1 and sum(c.steps for c in self.costs.values()) >= REPROBE_AFTER:
+            costs.renew(self._probe(measure))  # warm now: start again from this probe alone
+            for size, other in self.costs.items():
+                if other is not costs:
+                    other.renew(estimate({batch: costs}, size, max_width))
         return costs
+
+    def _probe(self, measure) -> Costs:
+        self.probes += 1
+        return measure()
 
 
 def cost_book(target, draft) -> CostBook:
@@ -118,6 +134,10 @@ def measure(target, state, sequences: list[list[int]], proposer, max_k: int) -> 
         elapsed = time.perf_counter() - started
         seconds[width] = min(seconds.get(width, elapsed), elapsed)
         target.rollback(state, lengths)
+    # A stall can only slow a timing down: a wider forward costs at least a one-token one, and
+    # at most that many one-token forwards.
+    seconds[1] = min(seconds.values())
+    seconds = {width: min(value, width * seconds[1]) for width, value in seconds.items()}
     draft = proposer.probe_seconds(sequences) if proposer.model is not None else 0.0
     costs = Costs(v1=seconds[1], draft=draft)
     for width in widths[1:]:
