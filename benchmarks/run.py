@@ -4,6 +4,9 @@
     python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, engine
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
 
+Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
+two threads can run ten times slower than one (each waits for the other to be scheduled).
+
 Each section runs in this one process, on the same models and prompts for every method,
 and writes benchmarks/results/<section>.json (and a PNG where it helps); the tables in
 BENCHMARKS.md between the result markers are rebuilt from all the JSON files present.
@@ -12,6 +15,7 @@ BENCHMARKS.md between the result markers are rebuilt from all the JSON files pre
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -216,7 +220,7 @@ def update_markdown() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(int(os.environ.get("SPECULATIVE_BENCH_THREADS", min(2, torch.get_num_threads()))))
     RESULTS.mkdir(exist_ok=True)
     chosen = sys.argv[1:] or list(SECTIONS)
     unknown = [c for c in chosen if c not in SECTIONS]

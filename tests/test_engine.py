@@ -124,6 +124,7 @@ def test_the_adaptive_engine_probes_costs_once_per_pair_of_models(monkeypatch):
     assert probes == [2]  # one probe: the first step's batch of two rows
 
 
+@pytest.mark.slow
 def test_greedy_and_sampled_requests_share_one_batch_losslessly():
     """Two sampled requests at different temperatures (one with top-k) beside a greedy one,
     in every batch, with rows joining at every step: each sampled kind follows its own

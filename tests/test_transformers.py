@@ -187,6 +187,7 @@ def test_gemma_3_270m_greedy_equals_generate():
     assert decoder.stats.tokens_per_forward > 1.5
 
 
+@pytest.mark.slow
 def test_sampling_with_a_transformers_target_is_lossless():
     """The G-test of test_lossless, with a tiny-vocabulary transformers target and draft."""
     from test_lossless import VOCAB as V, draw, exact_joint, g_test_pvalue

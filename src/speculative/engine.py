@@ -139,7 +139,7 @@ class Engine:
                 raise ValueError(f"request {request_id!r}: {name} holds token id {bad[0]}, outside the vocabulary: "
                                  f"allowed 0..{vocab - 1}")
         for role, model in (("target", self.target), ("draft", self.proposer.model)):
-            limit = getattr(model, "max_seq_len", None)
+            limit = None if model is None else model.max_seq_len
             if limit is not None and len(prompt) + params.max_new_tokens > limit:
                 raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens and max_new_tokens is "
                                  f"{params.max_new_tokens}: {len(prompt) + params.max_new_tokens} tokens exceed the "
