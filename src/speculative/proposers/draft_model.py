@@ -16,12 +16,20 @@ class DraftModelProposer:
     The draft lags the committed sequence by one or more tokens (the target's extra token,
     and the last drafted token when all were accepted); those pending tokens are fed at
     the start of the next step, in the same forward call that drafts the first token.
+
+    `vocab` (FR-Spec): the draft scores only these token ids, e.g. the most frequent
+    tokens of a corpus (`speculative.vocab`). With a vocabulary of 152k-262k tokens the
+    output layer is a large share of a small draft's cost. It stays lossless: q is zero
+    outside the subset, so those tokens are never drafted, and the target's residual
+    max(0, p - q) keeps all of their probability.
     """
 
     def __init__(self, model, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, sampling: bool = False):
+                 top_p: float | None = None, sampling: bool = False, vocab: torch.Tensor | None = None):
         self.model = model
         self.vocab_size = model.vocab_size
+        self.vocab = None if vocab is None else check_vocab(vocab, model.vocab_size).to(model.device)
+        self.head = None if vocab is None else model.output_head(self.vocab)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         # In greedy mode q is never needed: draft the argmax and skip the softmax.
         self.sampling = sampling and temperature > 0
@@ -69,12 +77,13 @@ class DraftModelProposer:
                 logits = self._forward(tokens[-1][:, None])[:, -1]
             if self.sampling:
                 q = probabilities(logits, self.temperature, self.top_k, self.top_p)
-                probs.append(q)
-                tokens.append(sample(q, self.generators, [i < n for n in limits]))
-                confidence = q.gather(1, tokens[-1][:, None])[:, 0] if min_confidence is not None else None
+                drafted = sample(q, self.generators, [i < n for n in limits])
+                confidence = q.gather(1, drafted[:, None])[:, 0] if min_confidence is not None else None
+                probs.append(q if self.vocab is None else scatter_vocab(q, self.vocab, self.vocab_size))
             else:
-                tokens.append(logits.argmax(-1))
+                drafted = logits.argmax(-1)
                 confidence = logits.float().softmax(-1).amax(-1) if min_confidence is not None else None
+            tokens.append(drafted if self.vocab is None else self.vocab[drafted])
             if confidence is not None:
                 values = confidence.tolist()
                 confidences.append(values)
@@ -88,9 +97,16 @@ class DraftModelProposer:
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
         return Proposal(self._tokens, lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
 
+    def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
+        """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`)."""
+        if self.head is None or not keep_logits:
+            return self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits)
+        _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True)
+        return self.head(hidden)
+
     def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
         started = time.perf_counter()
-        logits = self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits)
+        logits = self._run(tokens, num_valid, keep_logits)
         self.forward_seconds += time.perf_counter() - started
         self.forwards += 1
         return logits
@@ -114,7 +130,7 @@ class DraftModelProposer:
         best = float("inf")
         for _ in range(2):
             started = time.perf_counter()
-            self.model.forward(tokens, self.state)
+            self._run(tokens)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             best = min(best, time.perf_counter() - started)
@@ -130,3 +146,23 @@ def pad(rows: list[list[int]], device, value: int = 0) -> torch.Tensor:
     """Right-pad token lists into a (B, T) long tensor."""
     width = max(1, max(map(len, rows)))
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def check_vocab(vocab, size: int) -> torch.Tensor:
+    """A reduced vocabulary as a 1-D long tensor of distinct ids in 0..size-1."""
+    vocab = torch.as_tensor(vocab)
+    if vocab.dim() != 1 or len(vocab) == 0 or vocab.is_floating_point() or vocab.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary must be a non-empty 1-D list of token ids, got shape "
+                         f"{tuple(vocab.shape)} of {vocab.dtype}")
+    vocab = vocab.long()
+    if int(vocab.min()) < 0 or int(vocab.max()) >= size:
+        raise ValueError(f"draft vocabulary ids must lie in 0..{size - 1}, got {int(vocab.min())}..{int(vocab.max())}")
+    if len(torch.unique(vocab)) != len(vocab):
+        raise ValueError("draft vocabulary ids must be distinct")
+    return vocab
+
+
+def scatter_vocab(q: torch.Tensor, vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """q over the subset (B, N) as a distribution over all `size` tokens, zero elsewhere."""
+    full = q.new_zeros(q.shape[0], size)
+    return full.scatter_(1, vocab.expand(q.shape[0], -1), q)
