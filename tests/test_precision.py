@@ -185,3 +185,49 @@ def test_bfloat16_sampling_is_lossless():
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     assert g_test_pvalue(torch.bincount(index, minlength=VOCAB ** LENGTH), exact) < P_MIN
+
+
+def test_int8_linear_approximates_linear():
+    from speculative.kernels import Int8Linear, int8_available
+
+    if not int8_available("cpu"):
+        pytest.skip("this torch build has no fbgemm")
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(2, 3, 64)
+    error = (Int8Linear(layer)(x) - layer(x)).norm() / layer(x).norm()
+    assert error < 0.05
+
+
+def test_int8_draft_changes_proposals_never_the_output(tmp_path, monkeypatch):
+    """An int8 draft, with and without a reduced vocabulary: the output is the float32
+    target's own; and load_draft picks int8 only for drafts that are not small."""
+    import speculative.loading as loading
+    from speculative.kernels import Int8Linear, int8_available
+
+    if not int8_available("cpu"):
+        pytest.skip("this torch build has no fbgemm")
+    save_model(tiny("decoder_only", seed=5), tmp_path / "t")
+    save_model(perturbed(tiny("decoder_only", seed=5), 0.05, seed=6), tmp_path / "d")
+    target = load_model(tmp_path / "t")
+    assert isinstance(loading.load_draft(tmp_path / "d").lm_head, torch.nn.Linear)  # small: left as it is
+    monkeypatch.setattr(loading, "SMALL_MODEL", 1000)
+    draft = loading.load_draft(tmp_path / "d")
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.weight is not None
+    ids = list(range(3, 20))
+    for vocab in (None, torch.arange(0, 64, 2)):
+        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4),
+                                     draft_vocab=vocab)
+        assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
+        assert 0 < decoder.acceptance_rate() < 1
+
+
+def test_int8_is_refused_where_it_cannot_run(tmp_path):
+    save_model(tiny("decoder_only", seed=5), tmp_path / "d")
+    with pytest.raises(ValueError, match="int8 drafts need a CPU with PyTorch's fbgemm engine; meta has none"):
+        load_model(tmp_path / "d", device="meta", dtype="int8")
+
+
+def test_cli_keeps_int8_for_drafts():
+    run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "int8"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "invalid choice: 'int8'" in run.stderr

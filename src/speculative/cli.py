@@ -29,21 +29,27 @@ def draft_model_name(name: str) -> str:
 def make_draft(name: str, device: str, args):
     """The draft named on the command line: a path, a preset, 's4d', 'ngram', or a model
     followed by '+ngram' (prompt lookup first, the model where lookup finds nothing)."""
-    from . import NGramProposer, load_model
+    from . import NGramProposer
+    from .loading import load_draft
 
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
-    return load_model(draft_model_name(name), device=device, dtype=args.dtype)
+    return load_draft(draft_model_name(name), device=device, dtype=args.draft_dtype)
 
 
 def add_precision(p) -> None:
-    """--dtype and the reduced draft vocabulary, shared by the commands that run models."""
-    from .precision import CHOICES
+    """--dtype, --draft-dtype and the reduced draft vocabulary, shared by the commands that run models."""
+    from .precision import CHOICES, DRAFT_CHOICES
 
-    p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of both models; auto = "
+    p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of the target; auto = "
                    "bfloat16 on CPUs that multiply it natively (AVX512-BF16, AMX) and on GPUs, else float32 "
                    "(default: %(default)s). Logits are compared in float32 whatever the weights are")
+    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_CHOICES, help="execution dtype of a draft "
+                   "model; int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only "
+                   "its proposals, never the output. auto = int8 on CPUs that run it for drafts of 4M weights or "
+                   "more, else as --dtype "
+                   "(default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=0, help="the draft model scores only the N most frequent "
                    "tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much of a small "
                    "draft's cost; output unchanged). 0 = all tokens (default)")
@@ -296,6 +302,7 @@ def bench_prompts(args, tokenizer, limit_tokens: int | None) -> list[list[int]]:
 def run_bench(args) -> int:
     from . import load_model, load_tokenizer
     from .bench import plot, run_bench as bench, table
+    from .loading import load_draft
 
     ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
     if not ks or min(ks) < 1:
@@ -304,7 +311,7 @@ def run_bench(args) -> int:
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     names = args.draft if args.draft is not None else (["default-draft", "default-s4d", "default-draft+ngram"]
                                                         if args.target == "default" else [])
-    models = {model: load_model(model, device=args.device, dtype=args.dtype)
+    models = {model: load_draft(model, device=args.device, dtype=args.draft_dtype)
               for model in {draft_model_name(n) for n in names} if model != "ngram"}  # one load, shared by '+ngram'
     drafts = {name: models[draft_model_name(name)] for name in names if name != "ngram"}
     lookup = [name for name in drafts if name.endswith("+ngram")]

@@ -20,6 +20,9 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = ("auto", *DTYPES)
+# For drafts: float32 models with int8 linear layers (kernels.quantize_linears).
+INT8 = "int8"
+DRAFT_CHOICES = (*CHOICES, INT8)
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..kernels import PackedLinear, packing_available
+from ..kernels import Int8Linear, PackedLinear
 
 
 @runtime_checkable
@@ -95,7 +95,16 @@ class OutputHead(nn.Module):
         rows.weight.copy_(weight.detach()[token_ids])
         if rows.bias is not None:
             rows.bias.copy_(head.bias.detach()[token_ids])
-        self.layer = PackedLinear(rows) if packing_available(weight.dtype, weight.device) else rows
+        self.layer = like(head, rows)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.layer(hidden).float()
+
+
+def like(head: nn.Module, rows: nn.Linear) -> nn.Module:
+    """`rows` in the same kind of layer as `head` (packed, int8 or plain)."""
+    if isinstance(head, PackedLinear):
+        return PackedLinear(rows)
+    if isinstance(head, Int8Linear):
+        return Int8Linear(rows)
+    return rows
