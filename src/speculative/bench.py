@@ -94,6 +94,10 @@ class Method:
     result: Result
     run: object
     decoder: SpeculativeDecoder | None = None
+    # The method whose outputs these must equal (None: the baseline, the first method).
+    reference: "Method | None" = None
+    # False for a method whose output is not expected to equal any other (another dtype).
+    compare: bool = True
     outputs: list = field(default_factory=list)
     prompt_speeds: list = field(default_factory=list)
     peak: int = 0
@@ -148,7 +152,28 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
+    return run_methods(methods, prompts, max_new, runs, eos, log)
 
+
+def speculative_method(name: str, target, draft, config: SpeculativeConfig, draft_vocab=None,
+                       reference: Method | None = None) -> Method:
+    """One speculative configuration as a method of the benchmark."""
+    decoder = SpeculativeDecoder(target, draft, config, draft_vocab=draft_vocab)
+    draft_name = "ngram" if isinstance(draft, NGramProposer) else name.split(" ")[0]
+    return Method(Result(name, draft=draft_name, k=config.num_draft_tokens, adaptive=config.adaptive),
+                  lambda ids, n, e: decoder.generate(ids, n, e), decoder, reference)
+
+
+def plain_method(name: str, model, reference: Method | None = None) -> Method:
+    """Our autoregressive decoding of `model` as a method of the benchmark."""
+    return Method(Result(name), lambda ids, n, e: autoregressive_generate(model, ids, n, eos_token_id=e),
+                  reference=reference)
+
+
+def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, runs: int, eos=None,
+                log=print) -> dict:
+    """Time the methods, the first being the baseline: warm-up, then `runs` interleaved
+    rounds (see run_bench); a JSON-able report with one entry per method."""
     log(f"{len(methods)} methods, {len(prompts)} prompts, {max_new} new tokens, {runs} rounds")
     for method in methods:  # warm-up; adaptive K also measures its costs here
         method.run(prompts[0], min(8, max_new), eos)
@@ -181,7 +206,7 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
                                                                               methods[0].prompt_speeds)), 3)
             for i in range(len(prompts))]
         result.median_prompt_speedup = statistics.median(result.prompt_speedups)
-        result.identical = method.outputs == methods[0].outputs
+        result.identical = method.outputs == (method.reference or methods[0]).outputs if method.compare else None
         result.peak_rss_mb = method.peak / 2 ** 20
         result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
         result.generated_tokens = sum(map(len, method.outputs))
