@@ -329,20 +329,26 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     check_length(prompts, budgets, model, "target")
     generators = make_generators(row_seeds(config, batch, seeds), model.device)
     outputs: list[list[int]] = [[] for _ in prompts]
-    finished = [b == 0 for b in budgets]
+    active = list(range(batch))  # rows still generating; finished rows leave the batch
     with torch.inference_mode():
         state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
         last = [p[-1] for p in prompts]
-        while not all(finished):
+        while True:
+            keep = [i for i, row in enumerate(active) if len(outputs[row]) < budgets[row]
+                    and not (outputs[row] and outputs[row][-1] in eos)]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                model.select_rows(state, keep)
+                active, last = [active[i] for i in keep], [last[i] for i in keep]
+                generators = [generators[i] for i in keep]
             logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
             if config.sampling:
                 tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
                                 generators).tolist()
             else:
                 tokens = logits.argmax(-1).tolist()
-            for row, token in enumerate(tokens):
-                if not finished[row]:
-                    outputs[row].append(token)
-                    finished[row] = token in eos or len(outputs[row]) == budgets[row]
+            for row, token in zip(active, tokens):
+                outputs[row].append(token)
             last = tokens
     return outputs if batched else outputs[0]
