@@ -16,8 +16,10 @@ from collections.abc import Iterator
 import torch
 
 from .adaptive import AdaptivePolicy, Costs, Plan
-from .config import SpeculativeConfig
-from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
+from .config import SpeculativeConfig, as_config
+from .inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
+                     normalize_max_new, normalize_prompts)
+from .inputs import row_seeds as checked_row_seeds
 from .proposers.base import Proposal
 from .proposers.draft_model import DraftModelProposer, pad
 from .proposers.hybrid import HybridProposer
@@ -30,13 +32,7 @@ from .verify import greedy_verify, rejection_verify
 
 def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) -> list[int | None]:
     """Seed of each row: given per row, else config.seed + row index, else fresh randomness."""
-    if seeds is not None:
-        if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
-            raise ValueError(f"seeds must be a list of {batch} integers (one per prompt), got {seeds!r}")
-        return list(seeds)
-    if config.seed is None:
-        return [None] * batch
-    return [config.seed + row for row in range(batch)]
+    return checked_row_seeds(seeds, batch, config.seed)
 
 
 def draft_seed(seed: int | None) -> int | None:
@@ -89,7 +85,9 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None):
-        self.config = config or SpeculativeConfig()
+        self.config = as_config(config)
+        check_model(main_model)
+        check_draft(draft_model)
         self.main_model = main_model
         self.draft_model = draft_model
         if hasattr(draft_model, "propose"):
@@ -100,7 +98,7 @@ class SpeculativeDecoder:
                 draft_model, self.config.draft_temperature if sampling else 0.0,
                 self.config.top_k, self.config.top_p, sampling)
             if self.config.prompt_lookup:
-                lookup = NGramProposer(num_draft_tokens=self.config.num_draft_tokens)
+                lookup = NGramProposer(self.config.max_ngram, self.config.min_ngram, self.config.num_draft_tokens)
                 self.proposer = HybridProposer(self.proposer, lookup)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
@@ -136,8 +134,10 @@ class SpeculativeDecoder:
         check_token_range(prompts, target.vocab_size)
         eos = check_eos(eos_token_id, target.vocab_size)
         check_length(prompts, budgets, target, "target")
+        check_draft_width(cfg.num_draft_tokens, target, "target")
         if getattr(proposer, "model", None) is not None:
             check_length(prompts, budgets, proposer.model, "draft")
+            check_draft_width(cfg.num_draft_tokens, proposer.model, "draft")
         # A seed pins K: adaptive K follows timings, which would make sampled output vary.
         seeded = cfg.seed is not None or seeds is not None
         policy = self.policy if cfg.adaptive and not (cfg.sampling and seeded) else None
@@ -320,7 +320,8 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     in which case it samples with main_temperature / top_k / top_p, row b from its own
     generator (seeded like the speculative decoder's target stream).
     """
-    config = config or SpeculativeConfig()
+    config = as_config(config)
+    check_model(model, "model")
     prompts, batched = normalize_prompts(prompt_ids)
     batch = len(prompts)
     budgets = normalize_max_new(max_new_tokens, batch)
