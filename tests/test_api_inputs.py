@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
+from speculative import save_model
 from helpers import perturbed, tiny
 from test_batch import cycle_tables
 
@@ -141,3 +142,43 @@ def test_prompt_lookup_uses_the_configured_ngram_sizes():
         accepted[max_ngram] = decoder.stats.accepted
     assert accepted[1] == 0 and accepted[4] >= 16
 
+
+def corrupt(tmp_path, how: str):
+    save_model(tiny("decoder_only"), tmp_path / "m")
+    weights, config = tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif how == "random":
+        weights.write_bytes(torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0),
+                                          dtype=torch.uint8).numpy().tobytes())
+    elif how == "garbage config":
+        config.write_text("{garbage")
+    elif how == "list config":
+        config.write_text("[1, 2]")
+    elif how == "no vocab_size":
+        config.write_text(config.read_text().replace('"vocab_size"', '"vocab"'))
+    return weights if how in ("truncated", "random") else config
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated", r"model.safetensors is truncated: its tensors end at byte \d+, the file has \d+ bytes"),
+    ("random", "model.safetensors is truncated or not a safetensors file"),
+    ("garbage config", "config.json is not valid JSON: Expecting property name .* at line 1 column 2"),
+    ("list config", "config.json must hold a JSON object .* got list"),
+    ("no vocab_size", "config.json has no 'vocab_size' entry"),
+])
+def test_corrupt_model_files_are_named_with_their_problem(tmp_path, how, message):
+    path = corrupt(tmp_path, how)
+    with pytest.raises(ValueError, match=message) as error:
+        load_model(tmp_path / "m")
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("nonsense", "device 'nonsense' is not a torch device; allowed: cpu, cuda"),
+    ("meta", "device 'meta' holds no weights"),
+    ("cuda:99", "device 'cuda:99'"),
+])
+def test_load_model_refuses_devices_it_cannot_run_on(device, message):
+    with pytest.raises(ValueError, match=message):
+        load_model("default-draft", device=device)

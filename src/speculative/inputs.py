@@ -1,4 +1,4 @@
-"""Checking what users pass in: models, prompts, lengths, token ids, seeds.
+"""Checking what users pass in: models, prompts, lengths, token ids, seeds, devices.
 
 Every check runs before any compute and raises ValueError (a bad value) or TypeError (a
 wrong kind of object) with a message that names the bad value and says what is allowed.
@@ -16,6 +16,8 @@ from .config import MAX_SEED
 # What a target or draft model provides (speculative.models.base), and what a proposer does.
 MODEL_NEEDS = ("vocab_size", "max_seq_len", "device", "new_state", "forward", "rollback", "select_rows")
 PROPOSER_NEEDS = ("start", "propose", "commit", "select_rows")
+# Device types we know how to check for availability.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 
 def check_model(model, name: str = "main_model") -> None:
@@ -157,3 +159,26 @@ def row_seeds(seeds, batch: int, config_seed: int | None) -> list[int | None]:
             raise ValueError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
     return [int(s) for s in seeds]
 
+
+def check_device(device, name: str = "device") -> torch.device:
+    """The torch device to run on, refused when this machine cannot run models there."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} {device!r} is not a torch device; allowed: cpu, cuda, cuda:N, mps, xpu") from None
+    if parsed.type == "meta":
+        raise ValueError(f"{name} {device!r} holds no weights (meta tensors have no data); allowed: cpu, cuda, "
+                         "cuda:N, mps, xpu")
+    if parsed.type not in DEVICE_TYPES:
+        raise ValueError(f"{name} {device!r} is not supported; allowed: cpu, cuda, cuda:N, mps, xpu")
+    if parsed.type == "cpu":
+        return parsed
+    backend = torch.backends.mps if parsed.type == "mps" else getattr(torch, parsed.type)
+    if not backend.is_available():
+        raise ValueError(f"{name} {device!r} is not available: this torch ({torch.__version__}) sees no "
+                         f"{parsed.type} device; use cpu")
+    count = getattr(getattr(torch, parsed.type), "device_count", lambda: 1)()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"{name} {device!r}: this machine has {count} {parsed.type} device(s): allowed "
+                         f"{parsed.type}:0..{parsed.type}:{count - 1}")
+    return parsed

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .inputs import check_device
 from .models import MODEL_TYPES, load_builtin
 from .text import TextTokenizer
 
@@ -55,6 +56,7 @@ def resolve(name_or_path) -> Path:
 
 def load_model(name_or_path, device="cpu"):
     """A model that serves as target or draft, with its tokenizer attached when one is found."""
+    device = check_device(device)
     path = resolve(name_or_path)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -63,9 +65,19 @@ def load_model(name_or_path, device="cpu"):
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
-    config = json.loads(config_path.read_text())
+    config = read_config(config_path)
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
     if config.get("model_type") in MODEL_TYPES:
-        model = load_builtin(path, device=device)
+        try:
+            model = load_builtin(path, device=device)
+        except KeyError as error:
+            raise ValueError(f"{config_path} has no {error} entry, which a {config['model_type']} model "
+                             "needs") from None
+        except (TypeError, ValueError) as error:
+            if str(path) in str(error):
+                raise
+            raise ValueError(f"{config_path}: {error}") from None
         tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()),
                               None)
         model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
@@ -79,7 +91,7 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     if path.is_dir():
         for folder in (path, path.parent):
             config = folder / "config.json"
-            builtin = config.is_file() and json.loads(config.read_text()).get("model_type") in MODEL_TYPES
+            builtin = config.is_file() and read_config(config).get("model_type") in MODEL_TYPES
             if (folder / "tokenizer.json").is_file() and (builtin or folder == path.parent):
                 return _builtin_tokenizer(folder / "tokenizer.json")
             if folder == path and not builtin and config.is_file():
@@ -88,10 +100,49 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     return _hf_tokenizer(path)
 
 
+def read_config(path: Path) -> dict:
+    """A model's config.json as a dict; errors name the file and what is wrong with it."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a model config") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object (a model config), got {type(config).__name__}")
+    return config
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file before a reader fails without naming it.
+
+    The format: 8 bytes of header length n (little-endian), n bytes of JSON giving each
+    tensor's byte range, then the data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            raise ValueError(f"{path} is truncated or not a safetensors file: its {size} bytes hold no complete "
+                             "header")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+            end = max([0] + [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"])
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError,
+                IndexError):
+            raise ValueError(f"{path} is not a safetensors file: its header is not the JSON of a tensor list") from None
+    if 8 + length + end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {8 + length + end}, the file has {size} bytes")
+
+
 def _builtin_tokenizer(path: Path) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    return TextTokenizer(Tokenizer.from_file(str(path)), name=str(path))
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer file tokenizers can read: {error}") from None
+    return TextTokenizer(backend, name=str(path))
 
 
 def _hf_tokenizer(path: Path, model=None) -> TextTokenizer:
