@@ -118,7 +118,7 @@ def test_jsonl_errors_name_the_line_and_the_bad_value(tmp_path, capsys, line, wo
 
 def test_jsonl_suffix_is_case_insensitive(tmp_path):
     path = write_jsonl(tmp_path / "P.JSONL", [{"prompt": "def f():\n", "max_new_tokens": 2}])
-    result = speculative("generate", "--prompt-file", path)
+    result = speculative("generate", "--prompt-file", path, "--fixed-k")
     assert result.returncode == 0, result.stderr.decode()
     assert [json.loads(line)["tokens"] for line in result.stdout.decode().splitlines()] == [2]
 
@@ -155,7 +155,8 @@ def test_non_utf8_bytes_in_prompt_are_refused():
 
 
 def test_a_pipe_works_as_prompt_file():
-    result = speculative("generate", "--prompt-file", "/dev/stdin", "--max-new-tokens", "3", stdin=b"import os\n")
+    result = speculative("generate", "--prompt-file", "/dev/stdin", "--max-new-tokens", "3", "--fixed-k",
+                         stdin=b"import os\n")
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode().startswith("import os\n") and "3 tokens in" in result.stdout.decode()
 
@@ -204,7 +205,7 @@ def test_ngram_sizes_apply_to_the_default_lookup_and_are_refused_elsewhere(capsy
             super().__init__(target, draft, config)
 
     monkeypatch.setattr(package, "SpeculativeDecoder", Recording)
-    assert main(["generate", "--ngram-min", "2", "--ngram-max", "3", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "--ngram-min", "2", "--ngram-max", "3", "--max-new-tokens", "2", "--fixed-k"]) == 0
     assert (configs[0].prompt_lookup, configs[0].min_ngram, configs[0].max_ngram) == (True, 2, 3)
 
 
@@ -259,8 +260,8 @@ def test_train_checks_its_budget_and_output_before_running(tmp_path, capsys):
 # --- the process: pipes, Ctrl-C, --verbose, failures ---------------------------------------
 
 def test_a_closed_pipe_ends_the_command_quietly():
-    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "200"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=environment())
+    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "200", "--fixed-k"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment())
     assert process.stdout.read(10) == b"def read_l"
     process.stdout.close()  # as `| head -c 10` does
     assert process.wait(timeout=300) == 141
@@ -268,8 +269,8 @@ def test_a_closed_pipe_ends_the_command_quietly():
 
 
 def test_ctrl_c_prints_one_line_and_exits_130():
-    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "480"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=environment())
+    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "480", "--fixed-k"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment())
     assert process.stdout.read(10) == b"def read_l"  # generating
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=300)

@@ -77,7 +77,7 @@ def outcome(run):
         return ("error", type(error), str(error))
 
 
-@settings(max_examples=120, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(draft=st.sampled_from(sorted(DRAFTS)), adaptive=st.booleans(), inputs=generate_inputs())
 @example(draft="ngram", adaptive=False, inputs=([list(range(40, 60)), [5, 6]], [1, 10], None, None))  # issue 17
 def test_greedy_generate_gives_the_reference_output_or_a_clear_error(draft, adaptive, inputs):
@@ -88,7 +88,7 @@ def test_greedy_generate_gives_the_reference_output_or_a_clear_error(draft, adap
     assert outcome(lambda: decoder.generate(prompts, budgets, eos, seeds=seeds)) == expected
 
 
-@settings(max_examples=50, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(draft=st.sampled_from(sorted(DRAFTS)), inputs=generate_inputs())
 @example(draft="s4d", inputs=([list(range(40, 60)), [5, 6]], [1, 10], [3, 4], None))  # issue 17
 def test_sampling_generate_gives_rows_within_their_budget_or_a_clear_error(draft, inputs):
