@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, integer
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .models.hf import HFModel
 from .proposers.ngram import NGramProposer
@@ -128,6 +128,7 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     the median over rounds of its speed (all prompts) over the baseline's in the same
     round; per prompt, the median over rounds of the same ratio for that prompt alone.
     """
+    check_settings(prompts, max_new, runs, ks)
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
                                                                                             eos_token_id=e))]
 
@@ -225,6 +226,18 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
                 result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
             "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
+
+
+def check_settings(prompts: list, max_new: int, runs: int, ks: tuple[int, ...]) -> None:
+    """Refuse settings that would fail (or measure nothing) only after the work is done."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark: give at least one")
+    integer(max_new, "max_new (tokens per prompt)", low=1)
+    integer(runs, "runs", low=1)
+    if not ks:
+        raise ValueError("ks is empty: give at least one K")
+    for k in ks:
+        integer(k, "every K", low=1)
 
 
 def hf_methods(drafts: dict, k_max: int):

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 import torch
 
 from .adaptive import AdaptivePolicy, Costs, Plan
-from .config import SpeculativeConfig
-from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
+from .config import SpeculativeConfig, as_config
+from .inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
+                     normalize_max_new, normalize_prompts)
+from .inputs import row_seeds as checked_row_seeds
 from .proposers.base import Proposal
 from .proposers.draft_model import DraftModelProposer, pad
 from .proposers.hybrid import HybridProposer
@@ -30,13 +32,7 @@ from .verify import greedy_verify, rejection_verify
 
 def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) -> list[int | None]:
     """Seed of each row: given per row, else config.seed + row index, else fresh randomness."""
-    if seeds is not None:
-        if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
-            raise ValueError(f"seeds must be a list of {batch} integers (one per prompt), got {seeds!r}")
-        return list(seeds)
-    if config.seed is None:
-        return [None] * batch
-    return [config.seed + row for row in range(batch)]
+    return checked_row_seeds(seeds, batch, config.seed)
 
 
 def draft_seed(seed: int | None) -> int | None:
@@ -91,7 +87,9 @@ class SpeculativeDecoder:
     def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None, draft_vocab=None):
         """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
         `speculative.vocab.corpus_vocab`); None scores all."""
-        self.config = config or SpeculativeConfig()
+        self.config = as_config(config)
+        check_model(main_model)
+        check_draft(draft_model)
         self.main_model = main_model
         self.draft_model = draft_model
         if hasattr(draft_model, "propose"):
@@ -104,7 +102,7 @@ class SpeculativeDecoder:
                 draft_model, self.config.draft_temperature if sampling else 0.0,
                 self.config.top_k, self.config.top_p, sampling, vocab=draft_vocab)
             if self.config.prompt_lookup:
-                lookup = NGramProposer(num_draft_tokens=self.config.num_draft_tokens)
+                lookup = NGramProposer(self.config.max_ngram, self.config.min_ngram, self.config.num_draft_tokens)
                 self.proposer = HybridProposer(self.proposer, lookup)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
@@ -140,8 +138,10 @@ class SpeculativeDecoder:
         check_token_range(prompts, target.vocab_size)
         eos = check_eos(eos_token_id, target.vocab_size)
         check_length(prompts, budgets, target, "target")
+        check_draft_width(cfg.num_draft_tokens, target, "target")
         if getattr(proposer, "model", None) is not None:
             check_length(prompts, budgets, proposer.model, "draft")
+            check_draft_width(cfg.num_draft_tokens, proposer.model, "draft")
         # A seed pins K: adaptive K follows timings, which would make sampled output vary.
         seeded = cfg.seed is not None or seeds is not None
         policy = self.policy if cfg.adaptive and not (cfg.sampling and seeded) else None
@@ -324,7 +324,8 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     in which case it samples with main_temperature / top_k / top_p, row b from its own
     generator (seeded like the speculative decoder's target stream).
     """
-    config = config or SpeculativeConfig()
+    config = as_config(config)
+    check_model(model, "model")
     prompts, batched = normalize_prompts(prompt_ids)
     batch = len(prompts)
     budgets = normalize_max_new(max_new_tokens, batch)
@@ -333,20 +334,26 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     check_length(prompts, budgets, model, "target")
     generators = make_generators(row_seeds(config, batch, seeds), model.device)
     outputs: list[list[int]] = [[] for _ in prompts]
-    finished = [b == 0 for b in budgets]
+    active = list(range(batch))  # rows still generating; finished rows leave the batch
     with torch.inference_mode():
         state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
         last = [p[-1] for p in prompts]
-        while not all(finished):
+        while True:
+            keep = [i for i, row in enumerate(active) if len(outputs[row]) < budgets[row]
+                    and not (outputs[row] and outputs[row][-1] in eos)]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                model.select_rows(state, keep)
+                active, last = [active[i] for i in keep], [last[i] for i in keep]
+                generators = [generators[i] for i in keep]
             logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
             if config.sampling:
                 tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
                                 generators).tolist()
             else:
                 tokens = logits.argmax(-1).tolist()
-            for row, token in enumerate(tokens):
-                if not finished[row]:
-                    outputs[row].append(token)
-                    finished[row] = token in eos or len(outputs[row]) == budgets[row]
+            for row, token in zip(active, tokens):
+                outputs[row].append(token)
             last = tokens
     return outputs if batched else outputs[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import presets
+from .inputs import check_device
 from .kernels import int8_available, pack_linears, packing_available, quantize_linears
 from .models import MODEL_TYPES, load_builtin
 from .precision import INT8, resolve_dtype
@@ -67,6 +68,7 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     which changes proposals, never the output). `pack`: oneDNN linear layers for float32
     on CPUs (None: wherever available); a packed model is for inference only, so pass
     False to save or export it."""
+    device = check_device(device)
     quantize = dtype == INT8
     if quantize:
         if not int8_available(device):
@@ -86,16 +88,32 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         config_path = path / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
-        config = json.loads(config_path.read_text())
+        config = read_config(config_path)
+        for weights in sorted(path.glob("*.safetensors")):
+            check_safetensors(weights)
         if config.get("model_type") in MODEL_TYPES:
-            model = load_builtin(path, device=device, dtype=torch_dtype)
+            model = _load_builtin(path, config, device, torch_dtype)
             _prepare(model, name_or_path, pack, quantize)
             tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent)
                                    if (p / "tokenizer.json").is_file()), None)
             model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
         else:
-            model = _load_transformers(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
+            prepare = lambda m: _prepare(m, name_or_path, pack, quantize)  # noqa: E731
+            model = _load_transformers(path, device, torch_dtype, prepare)
     return model
+
+
+def _load_builtin(path: Path, config: dict, device, dtype):
+    """A built-in model, with config problems named with their file."""
+    config_path = path / "config.json"
+    try:
+        return load_builtin(path, device=device, dtype=dtype)
+    except KeyError as error:
+        raise ValueError(f"{config_path} has no {error} entry, which a {config['model_type']} model needs") from None
+    except (TypeError, ValueError) as error:
+        if str(path) in str(error):
+            raise
+        raise ValueError(f"{config_path}: {error}") from None
 
 
 # Models with fewer linear weights than this run faster on PyTorch's own float32 layers:
@@ -151,7 +169,7 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     if path.is_dir():
         for folder in (path, path.parent):
             config = folder / "config.json"
-            builtin = config.is_file() and json.loads(config.read_text()).get("model_type") in MODEL_TYPES
+            builtin = config.is_file() and read_config(config).get("model_type") in MODEL_TYPES
             if (folder / "tokenizer.json").is_file() and (builtin or folder == path.parent):
                 return _builtin_tokenizer(folder / "tokenizer.json")
             if folder == path and not builtin and config.is_file():
@@ -160,10 +178,49 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     return _hf_tokenizer(path)
 
 
+def read_config(path: Path) -> dict:
+    """A model's config.json as a dict; errors name the file and what is wrong with it."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a model config") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object (a model config), got {type(config).__name__}")
+    return config
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file before a reader fails without naming it.
+
+    The format: 8 bytes of header length n (little-endian), n bytes of JSON giving each
+    tensor's byte range, then the data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            raise ValueError(f"{path} is truncated or not a safetensors file: its {size} bytes hold no complete "
+                             "header")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+            end = max([0] + [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"])
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError,
+                IndexError):
+            raise ValueError(f"{path} is not a safetensors file: its header is not the JSON of a tensor list") from None
+    if 8 + length + end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {8 + length + end}, the file has {size} bytes")
+
+
 def _builtin_tokenizer(path: Path) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    return TextTokenizer(Tokenizer.from_file(str(path)), name=str(path))
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer file tokenizers can read: {error}") from None
+    return TextTokenizer(backend, name=str(path))
 
 
 def _hf_tokenizer(path: Path, model=None) -> TextTokenizer:
