@@ -97,3 +97,50 @@ def test_bad_batches(prompts, budget, message):
     decoder = SpeculativeDecoder(tiny("decoder_only"), NGramProposer())
     with pytest.raises(ValueError, match=message):
         decoder.generate(prompts, budget)
+
+
+class RowCounter:
+    """Wraps a model and records how many rows every forward carries."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, []
+        self.vocab_size, self.max_seq_len, self.device = model.vocab_size, model.max_seq_len, model.device
+
+    def new_state(self, *args):
+        return self.model.new_state(*args)
+
+    def forward(self, tokens, state, num_valid=None, keep_logits=True):
+        self.rows.append(tokens.shape[0])
+        return self.model.forward(tokens, state, num_valid, keep_logits)
+
+    def rollback(self, state, lengths):
+        self.model.rollback(state, lengths)
+
+    def select_rows(self, state, rows):
+        self.model.select_rows(state, rows)
+
+
+@pytest.mark.parametrize("kind", ["decoder_only", "s4d", "transformers"])
+def test_the_reference_takes_per_row_budgets_and_finished_rows_leave_its_batch(kind):
+    """A long prompt with a budget of 1 beside a short one with 10: the reference must give
+    each row what it gives alone, and stop feeding a row once it is done (a finished row
+    fed on overruns its cache, or a model's context)."""
+    prompts, budgets = [list(range(40, 60)), [5, 6]], [1, 10]
+    if kind == "transformers":
+        pytest.importorskip("transformers")
+        from test_transformers import llama, reference
+        from speculative.models.hf import HFModel
+        target = HFModel(llama(1, vocab=64))
+        alone = [reference(target.model, p, n) for p, n in zip(prompts, budgets)]  # transformers' own generate
+    else:
+        target = tiny(kind, seed=1)
+        alone = [autoregressive_generate(target, p, n) for p, n in zip(prompts, budgets)]
+    counter = RowCounter(target)
+    assert autoregressive_generate(counter, prompts, budgets) == alone
+    assert counter.rows == [2, 2] + [1] * 9  # the prompts, both rows' first token, then row 1 alone
+    decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=3))
+    assert decoder.generate(prompts, budgets) == alone
+    eos = alone[1][2]  # ends row 1 early: both leave the batch at their own step
+    ended = [row[:row.index(eos) + 1] if eos in row else row for row in alone]
+    assert autoregressive_generate(target, prompts, budgets, eos_token_id=eos) == ended
+    assert decoder.generate(prompts, budgets, eos_token_id=eos) == ended

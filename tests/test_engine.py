@@ -267,8 +267,12 @@ def test_bad_engine_arguments():
         Engine(target, None, max_batch_size=0)
     with pytest.raises(TypeError, match="config must be a SpeculativeConfig or None, got dict"):
         Engine(target, None, {"num_draft_tokens": 3})
-    with pytest.raises(TypeError, match="draft must be a model .* or None; got str"):
+    with pytest.raises(TypeError, match="draft_model must be a loaded model, got the name 'default-draft'"):
         Engine(target, "default-draft")
+    with pytest.raises(TypeError, match="draft_model must follow the model protocol .* object lacks vocab_size"):
+        Engine(target, object())
+    with pytest.raises(TypeError, match="target must follow the model protocol"):
+        Engine(object(), None)
     with pytest.raises(ValueError, match="draft has 32 tokens, target has 64"):
         Engine(target, tiny("s4d", vocab=32))
 

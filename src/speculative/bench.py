@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, integer
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .models.hf import HFModel
 from .proposers.ngram import NGramProposer
@@ -94,6 +94,10 @@ class Method:
     result: Result
     run: object
     decoder: SpeculativeDecoder | None = None
+    # The method whose outputs these must equal (None: the baseline, the first method).
+    reference: "Method | None" = None
+    # False for a method whose output is not expected to equal any other (another dtype).
+    compare: bool = True
     outputs: list = field(default_factory=list)
     prompt_speeds: list = field(default_factory=list)
     peak: int = 0
@@ -113,22 +117,25 @@ def timed(method: Method, ids, max_new, eos) -> float:
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
               ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
-              peers: bool = True, lookup: tuple[str, ...] = (), log=print) -> dict:
+              peers: bool = True, lookup: tuple[str, ...] = (), log=print, draft_vocab=None) -> dict:
     """Benchmark every method; returns a JSON-able dict with one entry per method.
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
-    first (SpeculativeConfig.prompt_lookup). After a warm-up of every method, each of the
+    first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
+    every draft model (None: all tokens). After a warm-up of every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
     the median over rounds of its speed (all prompts) over the baseline's in the same
     round; per prompt, the median over rounds of the same ratio for that prompt alone.
     """
+    check_settings(prompts, max_new, runs, ks)
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
                                                                                             eos_token_id=e))]
 
     def speculative(name, draft, draft_name, k, is_adaptive):
         config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup)
-        decoder = SpeculativeDecoder(target, draft, config)
+        vocab = None if hasattr(draft, "propose") else draft_vocab
+        decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
         methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=is_adaptive),
                               lambda ids, n, e: decoder.generate(ids, n, e), decoder))
 
@@ -146,7 +153,28 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
+    return run_methods(methods, prompts, max_new, runs, eos, log)
 
+
+def speculative_method(name: str, target, draft, config: SpeculativeConfig, draft_vocab=None,
+                       reference: Method | None = None) -> Method:
+    """One speculative configuration as a method of the benchmark."""
+    decoder = SpeculativeDecoder(target, draft, config, draft_vocab=draft_vocab)
+    draft_name = "ngram" if isinstance(draft, NGramProposer) else name.split(" ")[0]
+    return Method(Result(name, draft=draft_name, k=config.num_draft_tokens, adaptive=config.adaptive),
+                  lambda ids, n, e: decoder.generate(ids, n, e), decoder, reference)
+
+
+def plain_method(name: str, model, reference: Method | None = None) -> Method:
+    """Our autoregressive decoding of `model` as a method of the benchmark."""
+    return Method(Result(name), lambda ids, n, e: autoregressive_generate(model, ids, n, eos_token_id=e),
+                  reference=reference)
+
+
+def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, runs: int, eos=None,
+                log=print) -> dict:
+    """Time the methods, the first being the baseline: warm-up, then `runs` interleaved
+    rounds (see run_bench); a JSON-able report with one entry per method."""
     log(f"{len(methods)} methods, {len(prompts)} prompts, {max_new} new tokens, {runs} rounds")
     for method in methods:  # warm-up; adaptive K also measures its costs here
         method.run(prompts[0], min(8, max_new), eos)
@@ -179,7 +207,7 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
                                                                               methods[0].prompt_speeds)), 3)
             for i in range(len(prompts))]
         result.median_prompt_speedup = statistics.median(result.prompt_speedups)
-        result.identical = method.outputs == methods[0].outputs
+        result.identical = method.outputs == (method.reference or methods[0]).outputs if method.compare else None
         result.peak_rss_mb = method.peak / 2 ** 20
         result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
         result.generated_tokens = sum(map(len, method.outputs))
@@ -198,6 +226,18 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
                 result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
             "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
+
+
+def check_settings(prompts: list, max_new: int, runs: int, ks: tuple[int, ...]) -> None:
+    """Refuse settings that would fail (or measure nothing) only after the work is done."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark: give at least one")
+    integer(max_new, "max_new (tokens per prompt)", low=1)
+    integer(runs, "runs", low=1)
+    if not ks:
+        raise ValueError("ks is empty: give at least one K")
+    for k in ks:
+        integer(k, "every K", low=1)
 
 
 def hf_methods(drafts: dict, k_max: int):

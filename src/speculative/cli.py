@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
+
+from .cli_checks import OneLineParser, argument_text, integer, integer_list, number, run_command
 
 # No newline at the end: the tokenizer merges a newline with the next line's indentation.
 DEFAULT_PROMPT = '''def read_lines(path):
@@ -29,12 +32,56 @@ def draft_model_name(name: str) -> str:
 def make_draft(name: str, device: str, args):
     """The draft named on the command line: a path, a preset, 's4d', 'ngram', or a model
     followed by '+ngram' (prompt lookup first, the model where lookup finds nothing)."""
-    from . import NGramProposer, load_model
+    from . import NGramProposer
+    from .loading import load_draft
 
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
-    return load_model(draft_model_name(name), device=device)
+    return load_draft(draft_model_name(name), device=device, dtype=args.draft_dtype)
+
+
+def add_precision(p) -> None:
+    """--dtype, --draft-dtype and the reduced draft vocabulary, shared by the commands that run models."""
+    from .precision import CHOICES, DRAFT_CHOICES
+
+    p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of the target; auto = "
+                   "bfloat16 on CPUs that multiply it natively (AVX512-BF16, AMX) and on GPUs, else float32 "
+                   "(default: %(default)s). Logits are compared in float32 whatever the weights are")
+    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_CHOICES, help="execution dtype of a draft "
+                   "model; int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only "
+                   "its proposals, never the output. auto = int8 on CPUs that run it for drafts of 4M weights or "
+                   "more, else as --dtype "
+                   "(default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=0, help="the draft model scores only the N most frequent "
+                   "tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much of a small "
+                   "draft's cost; output unchanged). 0 = all tokens (default)")
+    p.add_argument("--draft-vocab-corpus", default="stdlib", help="where --draft-vocab counts tokens: 'stdlib' "
+                   "(Python code) or a text or JSONL file (default: %(default)s)")
+
+
+def draft_vocab(args, tokenizer):
+    """The reduced draft vocabulary the options ask for, or None."""
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {args.draft_vocab}")
+    if not args.draft_vocab:
+        return None
+    from .vocab import corpus_vocab
+
+    return corpus_vocab(tokenizer, args.draft_vocab, args.draft_vocab_corpus)
+
+
+def ngram_sizes(args, draft_name: str) -> None:
+    """--ngram-min/--ngram-max serve n-gram drafting (ngram, MODEL+ngram); refused elsewhere."""
+    if draft_name != "ngram" and not draft_name.endswith("+ngram"):
+        if args.ngram_min is not None or args.ngram_max is not None:
+            raise ValueError(f"--ngram-min/--ngram-max apply to n-gram drafting (--draft ngram or MODEL+ngram), "
+                             f"not to --draft {draft_name}")
+    args.ngram_min = 1 if args.ngram_min is None else args.ngram_min
+    args.ngram_max = max(4, args.ngram_min) if args.ngram_max is None else args.ngram_max
+    if args.ngram_min > args.ngram_max:
+        raise ValueError(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}; allowed "
+                         "1 <= --ngram-min <= --ngram-max")
 
 
 def add_generate(sub) -> None:
@@ -52,61 +99,74 @@ def add_generate(sub) -> None:
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
-    group.add_argument("--prompt-file", help="file whose text is the prompt; a .jsonl file holds several "
-                       "prompts, one {\"prompt\": ..., \"max_new_tokens\": optional} object per line, generated "
-                       "in batches and printed as JSON lines in input order")
+    group.add_argument("--prompt-file", help="file whose text is the prompt ('-' or /dev/stdin: standard input); "
+                       "a .jsonl file holds several prompts, one {\"prompt\": ..., \"max_new_tokens\": optional, "
+                       "\"chat\": optional} object per line, checked whole, generated in batches and printed as "
+                       "JSON lines in input order")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--num-draft-tokens", "-k", type=int, default=None, help="K, tokens drafted per step: the "
+    p.add_argument("--max-new-tokens", type=integer(0), default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K, tokens drafted per step: the "
                    "most adaptive K may choose, or the fixed K with --fixed-k (default: 4 for a draft model, "
                    "10 for ngram)")
     p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step instead of "
                    "choosing K from measured acceptance and costs")
-    p.add_argument("--temperature", type=float, default=0.0, help="target temperature; 0 = greedy "
+    p.add_argument("--temperature", type=number(0), default=0.0, help="target temperature; 0 = greedy "
                    "(default: %(default)s)")
-    p.add_argument("--draft-temperature", type=float, default=1.0, help="draft temperature when sampling; "
+    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature when sampling; "
                    "changes speed only, never the output distribution (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-k", type=integer(1), default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens "
                    "whose probability reaches p")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: fresh randomness)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up by --draft ngram "
-                   "(default: %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram looked up (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together from a .jsonl "
+    p.add_argument("--seed", type=integer(0), default=None, help="seed for sampling (default: fresh randomness)")
+    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up by n-gram "
+                   "drafting (--draft ngram or MODEL+ngram; default: 4)")
+    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    p.add_argument("--batch-size", type=integer(1), default=8, help="prompts decoded together from a .jsonl "
                    "--prompt-file (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_precision(p)
     p.set_defaults(run=run_generate)
 
 
 def run_generate(args) -> int:
     from . import SpeculativeConfig, SpeculativeDecoder, load_model, load_tokenizer
-
+    from .inputs import check_device, check_draft_width
     from .loading import PARTNERS
+    from .prompt_files import is_jsonl, read_jsonl, read_text
 
+    # Everything the command line says is checked before a model is loaded.
+    device = check_device(args.device, "--device")
     draft_name = args.draft or PARTNERS.get(args.target, "ngram")
+    ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
         args.num_draft_tokens = 10 if draft_name == "ngram" else 4
-    target = load_model(args.target, device=args.device)
-    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
-    draft = make_draft(draft_name, args.device, args)
+    lines = text = None
+    if args.prompt_file and is_jsonl(args.prompt_file):
+        lines = read_jsonl(args.prompt_file, "--prompt-file")
+    elif args.prompt_file:
+        text = read_text(args.prompt_file, "--prompt-file")
+        if not text:
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty; give some text")
+    else:
+        text = DEFAULT_PROMPT if args.prompt is None else argument_text(args.prompt, "--prompt")
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, main_temperature=args.temperature,
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
-                               seed=args.seed, adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"))
-    decoder = SpeculativeDecoder(target, draft, config)
+                               seed=args.seed, adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"),
+                               min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    target = load_model(args.target, device=device, dtype=args.dtype)
+    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
+    draft = make_draft(draft_name, device, args)
+    vocab = None if draft_name == "ngram" else draft_vocab(args, tokenizer)
+    models = [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else [])
+    for model, role in models:
+        check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
+    decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
     eos = tokenizer.eos_token_ids or None
     encode = tokenizer.chat if args.chat else tokenizer.encode
-    if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
-        if path.suffix == ".jsonl":
-            return generate_batches(decoder, tokenizer, encode, read_jsonl(path), args, eos)
-        text = path.read_text(encoding="utf-8")
-    else:
-        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if lines is not None:
+        return generate_batches(decoder, tokenizer, lines, args, eos, models)
     ids = encode(text)
     started = time.perf_counter()
     if args.stream:
@@ -128,34 +188,24 @@ def run_generate(args) -> int:
     return 0
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} line {number} is not JSON: {error}") from error
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path} line {number}: each line must be an object with a \"prompt\" string")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    return rows
+def generate_batches(decoder, tokenizer, lines, args, eos, models) -> int:
+    """Decode the prompts `--batch-size` at a time; print JSON lines in input order. Every
+    prompt is checked (length, seed) before the first one is generated."""
+    from .inputs import check_length, row_seeds
 
-
-def generate_batches(decoder, tokenizer, encode, rows: list[dict], args, eos) -> int:
-    """Decode the prompts `--batch-size` at a time; print JSON lines in input order."""
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    ids = [encode(row["prompt"]) for row in rows]
-    budgets = [int(row.get("max_new_tokens", args.max_new_tokens)) for row in rows]
-    seeds = None if args.seed is None else [args.seed + i for i in range(len(rows))]
+    names = [f"{args.prompt_file} line {line.line}" for line in lines]
+    ids = [(tokenizer.chat if args.chat or line.chat else tokenizer.encode)(line.prompt) for line in lines]
+    for name, row in zip(names, ids):
+        if not row:
+            raise ValueError(f"{name}: the prompt encodes to no tokens")
+    budgets = [args.max_new_tokens if line.max_new_tokens is None else line.max_new_tokens for line in lines]
+    for model, role in models:
+        check_length(ids, budgets, model, role, names)
+    seeds = row_seeds(None, len(lines), args.seed)
     started = time.perf_counter()
-    for start in range(0, len(rows), args.batch_size):
+    for start in range(0, len(lines), args.batch_size):
         chunk = slice(start, start + args.batch_size)
-        outs = decoder.generate(ids[chunk], budgets[chunk], eos, seeds=None if seeds is None else seeds[chunk])
+        outs = decoder.generate(ids[chunk], budgets[chunk], eos, seeds=None if args.seed is None else seeds[chunk])
         for index, out in enumerate(outs, start):
             print(json.dumps({"index": index, "completion": tokenizer.decode(out), "tokens": len(out)}))
     print(stats_line(decoder.stats, time.perf_counter() - started), file=sys.stderr)  # stdout stays JSON lines
@@ -169,17 +219,20 @@ def add_train(sub) -> None:
                                    "and an s4d draft distilled from it, and a report of held-out perplexity and "
                                    "greedy acceptance. Phases share --max-minutes; each is checkpointed.")
     p.add_argument("--out", default="runs/train", help="output directory (default: %(default)s)")
-    p.add_argument("--max-minutes", type=float, default=90.0, help="time budget (default: %(default)s)")
+    p.add_argument("--max-minutes", type=number(0, strict=True), default=90.0, help="time budget in minutes, > 0 "
+                   "(default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=512, help="training window and model length (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step (default: %(default)s)")
+    p.add_argument("--vocab-size", type=integer(1), default=4096, help="BPE vocabulary (default: %(default)s)")
+    p.add_argument("--seq-len", type=integer(2), default=512, help="training window and model length "
+                   "(default: %(default)s)")
+    p.add_argument("--batch-size", type=integer(1), default=16, help="windows per step (default: %(default)s)")
     p.add_argument("--verifier-size", default="384x8x6", help="verifier hidden x layers x heads "
                    "(default: %(default)s)")
     p.add_argument("--draft-size", default="128x2x2", help="draft hidden x layers x heads (default: %(default)s)")
     p.add_argument("--s4d-size", default="128x2x32", help="s4d draft hidden x layers x state (default: %(default)s)")
-    p.add_argument("--max-files", type=int, default=None, help="use only this many stdlib files (quick runs)")
-    p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts in the report (default: %(default)s)")
+    p.add_argument("--max-files", type=integer(1), default=None, help="use only this many stdlib files (quick runs)")
+    p.add_argument("--eval-prompts", type=integer(1), default=20, help="held-out prompts in the report "
+                   "(default: %(default)s)")
     p.add_argument("--ship", action="store_true", help="copy the result into the package as the new default")
     p.set_defaults(run=run_train)
 
@@ -197,6 +250,8 @@ def run_train(args) -> int:
     from .loading import ASSETS
     from .train.pipeline import TrainOptions, run_training
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
     opts = TrainOptions(out=Path(args.out), max_minutes=args.max_minutes, resume=args.resume,
                         vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
                         verifier=parse_size(args.verifier_size, ("hidden_size", "num_layers", "num_heads")),
@@ -229,29 +284,25 @@ def add_bench(sub) -> None:
                    "compare several (default: the target's shipped drafts, none for other targets)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line (default: "
                    "held-out standard-library functions, for the shipped target)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=3, help="timed rounds over all prompts (default: %(default)s)")
-    p.add_argument("--k", default="1,2,4,8", help="fixed K values, comma separated (default: %(default)s)")
+    p.add_argument("--limit", type=integer(1), default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=integer(1), default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--runs", type=integer(1), default=3, help="timed rounds over all prompts (default: %(default)s)")
+    p.add_argument("--k", type=integer_list, default=(1, 2, 4, 8), help="fixed K values, comma separated "
+                   "(default: 1,2,4,8)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' own methods")
     p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
-    p.add_argument("--plot", default=None, help="write a PNG of speedup and acceptance against K")
+    p.add_argument("--plot", default=None, help="write a PNG of speedup and acceptance against K (needs "
+                   "matplotlib: pip install 'speculative[bench]')")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_precision(p)
     p.set_defaults(run=run_bench)
 
 
-def bench_prompts(args, tokenizer, limit_tokens: int | None) -> list[list[int]]:
-    if args.prompts:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        bad = [i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)]
-        if bad:
-            raise ValueError(f"{path} line {bad[0] + 1}: each line must be a JSON object with a \"prompt\" string")
-        ids = [tokenizer.chat(r["prompt"]) if r.get("chat") else tokenizer.encode(r["prompt"]) for r in rows]
+def bench_prompts(args, tokenizer, lines, limit_tokens: int | None) -> list[list[int]]:
+    if lines is not None:
+        ids = [tokenizer.chat(line.prompt) if line.chat else tokenizer.encode(line.prompt) for line in lines]
     elif args.target == "default":
         from .train import corpus
 
@@ -265,27 +316,51 @@ def bench_prompts(args, tokenizer, limit_tokens: int | None) -> list[list[int]]:
     return ids
 
 
+def check_plot(path: str) -> None:
+    """--plot is checked before the benchmark runs, not after: matplotlib, and a folder to write into."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install 'speculative[bench]'") from None
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+
+
 def run_bench(args) -> int:
     from . import load_model, load_tokenizer
     from .bench import plot, run_bench as bench, table
+    from .inputs import check_device, check_draft_width
+    from .loading import load_draft
+    from .prompt_files import read_jsonl
 
-    ks = tuple(sorted({int(k) for k in args.k.split(",") if k.strip()}))
-    if not ks or min(ks) < 1:
-        raise ValueError(f"--k needs positive integers, got {args.k!r}")
-    target = load_model(args.target, device=args.device)
+    ks = args.k
+    device = check_device(args.device, "--device")
+    if args.plot:
+        check_plot(args.plot)
+    lines = read_jsonl(args.prompts, "--prompts") if args.prompts else None
+    if lines is None and args.target != "default":
+        raise ValueError("--prompts is needed for a target other than the shipped default")
+    target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     names = args.draft if args.draft is not None else (["default-draft", "default-s4d", "default-draft+ngram"]
                                                         if args.target == "default" else [])
-    models = {model: load_model(model, device=args.device) for model in {draft_model_name(n) for n in names}
-              if model != "ngram"}  # one load per model, shared by its '+ngram' variant
+    models = {model: load_draft(model, device=device, dtype=args.draft_dtype)
+              for model in {draft_model_name(n) for n in names} if model != "ngram"}  # one load, shared by '+ngram'
+    for name, model in [(args.target, target), *models.items()]:
+        check_draft_width(max(ks), model, repr(name), "--k")
     drafts = {name: models[draft_model_name(name)] for name in names if name != "ngram"}
     lookup = [name for name in drafts if name.endswith("+ngram")]
     limit = target.max_seq_len - args.max_new_tokens - max(ks) - 1 if target.max_seq_len else None
-    prompts = bench_prompts(args, tokenizer, limit)
+    if limit is not None and limit < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} and --k up to {max(ks)} leave no room for a prompt "
+                         f"in the target's {target.max_seq_len} positions: allowed --max-new-tokens + max(--k) <= "
+                         f"{target.max_seq_len - 2}")
+    prompts = bench_prompts(args, tokenizer, lines, limit)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
-                   peers=not args.no_peers, lookup=tuple(lookup), log=log)
+                   peers=not args.no_peers, lookup=tuple(lookup), log=log, draft_vocab=draft_vocab(args, tokenizer))
     report["target"] = args.target
     print(table(report))
     if args.plot:
@@ -300,38 +375,47 @@ def add_export(sub) -> None:
     p = sub.add_parser("export", help="export a built-in decoder_only model to transformers' Llama format",
                        description="Write a built-in decoder_only model (e.g. the shipped default verifier) as a "
                                    "transformers LlamaForCausalLM directory with the very same weights, plus its "
-                                   "tokenizer, so that other tools can run it.")
+                                   "tokenizer, so that other tools can run it. The directory is written beside "
+                                   "its destination, then renamed into place.")
     p.add_argument("model", help="model directory or preset (default, default-draft)")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory: new or empty, or any directory with --force")
+    p.add_argument("--force", action="store_true", help="replace OUT when it is a directory that is not empty")
     p.set_defaults(run=run_export)
 
 
 def run_export(args) -> int:
     from . import load_model
-    from .export import export_llama
+    from .export import check_destination, export_llama
     from .loading import resolve
 
-    model = load_model(args.model)
     path = resolve(args.model)
+    check_destination(Path(args.out), args.force, path)  # before the model is loaded
+    model = load_model(args.model, dtype="float32", pack=False)  # the weights as they are
     tokenizer = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()), None)
-    print(f"exported to {export_llama(model, args.out, tokenizer)}")
+    print(f"exported {args.model} to {export_llama(model, args.out, tokenizer, force=args.force, source=path)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="speculative", description="Speculative decoding: faster generation "
-                                     "from a language model, with the same output.")
+    """The `speculative` command; returns the exit status (see cli_checks for what each means)."""
+    parser = OneLineParser(prog="speculative", description="Speculative decoding: faster generation from a "
+                           "language model, with the same output. Exit status: 0 done, 1 failed while running, "
+                           "2 bad usage, 130 interrupted.")
+    parser.add_argument("--verbose", action="store_true", help="say how models are loaded (dtype and why, "
+                        "layers), and print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    add_bench(sub)
-    add_train(sub)
-    add_export(sub)
-    args = parser.parse_args(argv)
+    for add in (add_generate, add_bench, add_train, add_export):
+        add(sub)
+    for command in sub.choices.values():  # --verbose also after the command's name
+        command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="say how models are loaded, and print the traceback of an error")
     try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # --help, or a bad option (already reported on one line)
+        return exit.code if isinstance(exit.code, int) else 2
+    if getattr(args, "verbose", False):  # the loader's reasons (dtype, layers) on stderr
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    return run_command(args.run, args)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 
-@dataclass
+# torch.Generator.manual_seed takes seeds up to 2**64 - 1 (and aliases negative ones onto them).
+MAX_SEED = 2 ** 64 - 1
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """How many tokens to draft and how both sides sample.
 
     The names follow the two source designs (Edifice, kizzasi-inference). `top_k` and
     `top_p` shape both the target distribution p and the draft distribution q before the
     acceptance ratio is taken, so they change what is generated, while
-    `draft_temperature` only changes how often drafts are accepted.
+    `draft_temperature` only changes how often drafts are accepted. Frozen: a setting
+    changed after the checks below ran would skip them (use dataclasses.replace).
     """
 
     # K: tokens the draft proposes per step; the target scores all of them in one forward.
@@ -29,7 +37,7 @@ class SpeculativeConfig:
     top_k: int | None = None
     # Keep the smallest set of tokens whose probability reaches top_p (None = all).
     top_p: float | None = None
-    # Seed of the sampling generators; None draws a fresh seed from the OS.
+    # Seed of the sampling generators (row b uses seed + b); None draws a fresh seed from the OS.
     seed: int | None = None
     # Plan every step for the whole batch from measured acceptance and costs: how far rows
     # draft, whether the draft model runs; nothing is drafted when that cannot pay.
@@ -38,29 +46,67 @@ class SpeculativeConfig:
     # With a draft model: take the tokens that followed the last n-gram (n >= 2) earlier in
     # the prompt and output when there is one, and ask the draft model only otherwise.
     prompt_lookup: bool = False
+    # With prompt_lookup: the shortest and longest n-grams looked up (longest first).
+    min_ngram: int = 1
+    max_ngram: int = 4
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int):
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        for name in ("num_draft_tokens", "min_ngram", "max_ngram"):
+            self._set(name, integer(getattr(self, name), name, low=1))
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"n-gram sizes need min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
+                             f"max_ngram={self.max_ngram}")
         for name in ("draft_temperature", "main_temperature"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0 (0 means greedy), got {value!r}")
+            if not is_real(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0 (0 means greedy) and finite, got {value!r}")
+            self._set(name, float(value))
         if self.top_k is not None:
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-                raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+            self._set("top_k", integer(self.top_k, "top_k", low=1, none_allowed=True))
         if self.top_p is not None:
-            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            if not is_real(self.top_p) or not 0 < self.top_p <= 1:
                 raise ValueError(f"top_p must be None or a number with 0 < top_p <= 1, got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+            self._set("top_p", float(self.top_p))
+        if self.seed is not None:
+            self._set("seed", integer(self.seed, "seed", low=0, high=MAX_SEED, none_allowed=True))
         for name in ("adaptive", "prompt_lookup", "greedy_verification"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            self._set(name, bool(value))
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # normalizes numpy scalars to Python ones
 
     @property
     def sampling(self) -> bool:
         """Whether output tokens are sampled (False means greedy, target argmax)."""
         return not self.greedy_verification and self.main_temperature > 0
+
+
+def is_real(value) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def integer(value, name: str, low: int, high: int | None = None, none_allowed: bool = False) -> int:
+    """`value` as a Python int in low..high (numpy integers accepted), else a ValueError naming it."""
+    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+    if none_allowed:
+        allowed = "None or " + allowed
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed if none_allowed or high is not None else f'>= {low}'}, "
+                         f"got {value}")
+    return int(value)
+
+
+def as_config(config) -> SpeculativeConfig:
+    """The config to use: None gives the defaults; anything but a SpeculativeConfig is refused."""
+    if config is None:
+        return SpeculativeConfig()
+    if not isinstance(config, SpeculativeConfig):
+        hint = " (write SpeculativeConfig(**settings))" if isinstance(config, dict) else ""
+        raise TypeError(f"config must be a SpeculativeConfig or None, got {type(config).__name__}{hint}")
+    return config

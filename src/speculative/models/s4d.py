@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_lengths, valid_counts
+from .base import OutputHead, check_lengths, output, valid_counts
 from .decoder_only import RMSNorm
 
 # Chunks up to this length keep the state after every position (for rollback).
@@ -77,6 +77,9 @@ class SSMState:
 
 class S4DKernel(nn.Module):
     """One diagonal SSM per channel, S4D-Lin initialisation, zero-order-hold discretization."""
+
+    # Stays float32 when the model runs in 16 bits: rounding would move the poles.
+    keep_float32 = True
 
     def __init__(self, hidden: int, state_dim: int, dt_min: float, dt_max: float):
         super().__init__()
@@ -162,7 +165,7 @@ class S4DBlock(nn.Module):
 
     def forward(self, x, x0, counts, keep_all):
         y, states = self.ssm(self.ssm_norm(x), x0, counts, keep_all)
-        x = x + F.glu(self.ssm_out(F.gelu(y)), dim=-1)
+        x = x + F.glu(self.ssm_out(F.gelu(y.to(x.dtype))), dim=-1)  # the SSM itself runs in float32
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), states
 
@@ -249,13 +252,14 @@ class S4DLM(nn.Module):
             state.history = grown
 
     def forward(self, tokens: torch.Tensor, state: SSMState | None = None, num_valid: list[int] | None = None,
-                keep_logits: bool = True, positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Append tokens (B, T) to every row of `state`; returns logits (B, T, V).
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+        """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
         A recurrence reads tokens in order: `positions`, when given, must be each row's
         next positions (a token tree needs a model with attention). Without a state, scores
         the tokens as whole sequences from a zero state (training). keep_logits=False skips
-        the output projection (prompt processing needs no logits).
+        the output projection (prompt processing needs no logits); return_hidden=True
+        returns (logits or None, the final hidden states (B, T, H)).
         """
         if state is None:
             x = self.embed_tokens(tokens)
@@ -290,4 +294,8 @@ class S4DLM(nn.Module):
             state.depth += width  # base stays: row b's current state sits at depth - 1 + counts[b]
         else:
             state.depth, state.base = 1, list(state.lengths)
-        return self.lm_head(self.norm(x)) if keep_logits else None
+        return output(self.lm_head, self.norm(x), keep_logits, return_hidden)
+
+    def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
+        """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
+        return OutputHead(self.lm_head, token_ids)

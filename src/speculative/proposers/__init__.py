@@ -5,23 +5,20 @@ from .draft_model import DraftModelProposer
 from .hybrid import HybridProposer
 from .ngram import NGramProposer
 
-MODEL_METHODS = ("new_state", "forward", "rollback", "select_rows")
 
-
-def as_proposer(draft, num_draft_tokens: int, prompt_lookup: bool) -> Proposer:
+def as_proposer(draft, config, vocab=None) -> Proposer:
     """What drafts for the engine: `draft` itself when it is a proposer, no drafting for
-    None, else a draft model, behind prompt lookup when `prompt_lookup`."""
+    None, else a draft model (scoring only `vocab` when given), behind prompt lookup when
+    `config.prompt_lookup`. Check `draft` first (inputs.check_draft)."""
     if draft is None:
         return NoDraft()
     if isinstance(draft, Proposer):
+        if vocab is not None:
+            raise ValueError("draft_vocab applies to a draft model; pass it to the proposer itself")
         return draft
-    missing = [m for m in MODEL_METHODS if not callable(getattr(draft, m, None))]
-    if missing:
-        raise TypeError(f"draft must be a model (with {', '.join(MODEL_METHODS)}), a proposer such as "
-                        f"NGramProposer, or None; got {type(draft).__name__}, which lacks {', '.join(missing)}")
-    proposer = DraftModelProposer(draft)
-    if prompt_lookup:
-        proposer = HybridProposer(proposer, NGramProposer(num_draft_tokens=num_draft_tokens))
+    proposer = DraftModelProposer(draft, vocab=vocab)
+    if config.prompt_lookup:
+        proposer = HybridProposer(proposer, NGramProposer(config.max_ngram, config.min_ngram, config.num_draft_tokens))
     return proposer
 
 

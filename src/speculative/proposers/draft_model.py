@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -19,14 +20,26 @@ class DraftModelProposer:
     the start of the next step, in the same forward call that drafts the first token.
     Each row drafts with its own settings: greedy rows take the argmax, sampled rows draw
     from q (their temperature, top-k, top-p) with their own generator.
+
+    `vocab` (FR-Spec): the draft scores only these token ids, e.g. the most frequent
+    tokens of a corpus (`speculative.vocab`). With a vocabulary of 152k-262k tokens the
+    output layer is a large share of a small draft's cost. It stays lossless: q is zero
+    outside the subset, so those tokens are never drafted, and the target's residual
+    max(0, p - q) keeps all of their probability.
     """
 
     # Tokens the draft has not seen beyond which they are read first without logits.
     catch_up = 8
 
-    def __init__(self, model):
+    def __init__(self, model, vocab: torch.Tensor | None = None):
         self.model = model
         self.vocab_size = model.vocab_size
+        self.vocab = None if vocab is None else check_vocab(vocab, model.vocab_size).to(model.device)
+        self.head = None if vocab is None else model.output_head(self.vocab)
+        self._reset()
+
+    def _reset(self) -> None:
+        """No rows: the per-generation part of the proposer."""
         self.state = None
         self.capacity = 0
         self.samplers: list[Sampler] = []
@@ -36,7 +49,9 @@ class DraftModelProposer:
         self._tokens: torch.Tensor | None = None
 
     def fork(self) -> "DraftModelProposer":
-        return DraftModelProposer(self.model)
+        twin = copy.copy(self)  # shares the model and the reduced output layer
+        twin._reset()
+        return twin
 
     def add_rows(self, prompts: list[list[int]], capacity: int, samplers: list[Sampler],
                  generators: list[torch.Generator]) -> None:
@@ -72,17 +87,16 @@ class DraftModelProposer:
         started = time.perf_counter()
         forwards = self._read_apart(sequences)
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
-        seconds = 0.0
         if max(map(len, pending)) > self.catch_up:  # the prompt, or text drafted while the model sat out
             heads = [p[:-1] for p in pending]
-            self.model.forward(pad(heads, device), self.state, [len(h) for h in heads], keep_logits=False)
+            self._run(pad(heads, device), [len(h) for h in heads], keep_logits=False)
             forwards += 1
             pending = [p[-1:] for p in pending]
-        logits = self.model.forward(pad(pending, device), self.state, [len(p) for p in pending])
+        logits = self._run(pad(pending, device), [len(p) for p in pending])
         forwards += 1
-        seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
         rows = torch.arange(len(sequences), device=device)
-        logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V)
+        logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V) or (B, N)
         samplers = self.samplers
         sampling = any(not s.greedy for s in samplers)
         draws = [not s.greedy for s in samplers]
@@ -91,17 +105,18 @@ class DraftModelProposer:
         for i in range(max(limits)):
             if i:
                 started = time.perf_counter()
-                logits = self.model.forward(tokens[-1][:, None], self.state)[:, -1]
+                logits = self._run(tokens[-1][:, None])[:, -1]
                 forwards += 1
                 seconds += time.perf_counter() - started
             if sampling:  # greedy rows get a one-hot q and draw nothing from their stream
                 q = row_probabilities(logits, samplers)
-                probs.append(q)
-                tokens.append(sample(q, self.generators, [d and i < n for d, n in zip(draws, limits)]))
+                drafted = sample(q, self.generators, [d and i < n for d, n in zip(draws, limits)])
+                probs.append(q if self.vocab is None else scatter_vocab(q, self.vocab, self.vocab_size))
             else:
-                tokens.append(logits.argmax(-1))
+                q, drafted = None, logits.argmax(-1)
+            tokens.append(drafted if self.vocab is None else self.vocab[drafted])
             if min_confidence is not None:
-                values = self._confidence(logits, tokens[-1], probs[-1] if sampling else None, draws)
+                values = self._confidence(logits, drafted, q, draws)
                 confidences.append(values)
                 for row, value in enumerate(values):
                     if lengths[row] == limits[row] > i and value < min_confidence:
@@ -113,6 +128,13 @@ class DraftModelProposer:
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
         return Proposal(self._tokens, lengths, torch.stack(probs, 1) if sampling else None, per_row,
                         forwards=forwards, forward_seconds=seconds)
+
+    def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
+        """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`)."""
+        if self.head is None or not keep_logits:
+            return self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits)
+        _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True)
+        return self.head(hidden)
 
     def _read_apart(self, sequences: list[list[int]]) -> int:
         """Rows that joined a running batch read their prompts in a forward of their own
@@ -131,13 +153,13 @@ class DraftModelProposer:
         return 1
 
     @staticmethod
-    def _confidence(logits, tokens, q, draws) -> list[float]:
+    def _confidence(logits, drafted, q, draws) -> list[float]:
         """The draft's probability of each row's token: q(token) for sampled rows, the
         highest softmax probability for greedy ones."""
         greedy = logits.float().softmax(-1).amax(-1)
         if q is None:
             return greedy.tolist()
-        drawn = q.gather(1, tokens[:, None])[:, 0]
+        drawn = q.gather(1, drafted[:, None])[:, 0]
         return torch.where(torch.tensor(draws, device=logits.device), drawn, greedy).tolist()
 
     def commit(self, sequences: list[list[int]]) -> None:
@@ -159,7 +181,7 @@ class DraftModelProposer:
         best = float("inf")
         for _ in range(2):
             started = time.perf_counter()
-            self.model.forward(tokens, self.state)
+            self._run(tokens)
             if self.model.device.type == "cuda":
                 torch.cuda.synchronize(self.model.device)
             best = min(best, time.perf_counter() - started)
@@ -167,3 +189,21 @@ class DraftModelProposer:
         return best
 
 
+def check_vocab(vocab, size: int) -> torch.Tensor:
+    """A reduced vocabulary as a 1-D long tensor of distinct ids in 0..size-1."""
+    vocab = torch.as_tensor(vocab)
+    if vocab.dim() != 1 or len(vocab) == 0 or vocab.is_floating_point() or vocab.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary must be a non-empty 1-D list of token ids, got shape "
+                         f"{tuple(vocab.shape)} of {vocab.dtype}")
+    vocab = vocab.long()
+    if int(vocab.min()) < 0 or int(vocab.max()) >= size:
+        raise ValueError(f"draft vocabulary ids must lie in 0..{size - 1}, got {int(vocab.min())}..{int(vocab.max())}")
+    if len(torch.unique(vocab)) != len(vocab):
+        raise ValueError("draft vocabulary ids must be distinct")
+    return vocab
+
+
+def scatter_vocab(q: torch.Tensor, vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """q over the subset (B, N) as a distribution over all `size` tokens, zero elsewhere."""
+    full = q.new_zeros(q.shape[0], size)
+    return full.scatter_(1, vocab.expand(q.shape[0], -1), q)

@@ -45,6 +45,15 @@ class TrainOptions:
     compile: bool = False
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.max_minutes, bool) or not isinstance(self.max_minutes, (int, float)) \
+                or not 0 < self.max_minutes < float("inf"):
+            raise ValueError(f"max_minutes must be a finite number > 0, got {self.max_minutes!r}")
+        for name in ("vocab_size", "seq_len", "batch_size", "eval_prompts", "eval_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
 
 def run_training(opts: TrainOptions) -> dict:
     out = Path(opts.out)

@@ -1,0 +1,114 @@
+"""The dtype a model runs in: `auto` picks what this device runs fast, and says why.
+
+Weights and activations take the execution dtype; logits leave every model as float32, so
+verification, sampling and the acceptance ratio p/q never see rounded probabilities.
+
+On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
+the BF16 extension on Arm): a forward then reads half the bytes and a verify forward of a
+few tokens costs about one single-token forward. Without it, bfloat16 is converted in
+software and float32 is faster, so `auto` chooses float32. On CUDA, bfloat16 where the
+GPU supports it, else float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHOICES = ("auto", *DTYPES)
+# For drafts: float32 models with int8 linear layers (kernels.quantize_linears).
+INT8 = "int8"
+DRAFT_CHOICES = (*CHOICES, INT8)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has native arithmetic for this 16-bit dtype."""
+    features = cpu_features() if features is None else features
+    wanted = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
+              torch.float16: {"avx512_fp16", "amx_fp16", "fphp", "asimdhp"}}.get(dtype, set())
+    return bool(wanted & features)
+
+
+def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+    """(torch dtype, the reason for it) for a name in CHOICES or a torch.dtype.
+
+    Raises ValueError for other dtypes, and for float16 on a CPU without native float16
+    arithmetic (it would run emulated, slower than float32)."""
+    device = torch.device(device)
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; allowed: {', '.join(CHOICES)}")
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str) and dtype in CHOICES:
+        name = dtype
+    else:
+        raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(CHOICES)}")
+    cpu = device.type == "cpu"
+    machine = platform.machine() or "this CPU"
+    if name != "auto":
+        chosen = DTYPES[name]
+        if cpu and chosen == torch.float16 and not cpu_has_fast(torch.float16, features):
+            raise ValueError(f"float16 on this CPU ({machine}, no native float16 arithmetic such as AVX512-FP16) "
+                             "would be emulated and slower than float32; use --dtype bfloat16 or float32")
+        note = "" if not cpu or chosen == torch.float32 or cpu_has_fast(chosen, features) else \
+            " (this CPU has no native bfloat16 arithmetic: expect it to be slower than float32)"
+        return chosen, f"{name}, as asked{note}"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: bfloat16, which this GPU supports"
+        return torch.float16, "auto: float16 (this GPU has no bfloat16)"
+    if cpu and cpu_has_fast(torch.bfloat16, features):
+        return torch.bfloat16, f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively"
+    if cpu:
+        return torch.float32, (f"auto: float32, since this CPU ({machine}) has no native bfloat16 arithmetic "
+                               "(AVX512-BF16, AMX or Arm BF16)")
+    return torch.float32, f"auto: float32 on {device.type}"
+
+
+def tie_tolerance(top: float, dtype: torch.dtype, ulps: int = 4) -> float:
+    """How close two logits near `top` may be and still swap order between forwards of
+    different widths (different kernels round differently): `ulps` units in the last
+    place of `dtype` at that magnitude."""
+    magnitude = 2.0 ** math.floor(math.log2(abs(top))) if top else torch.finfo(dtype).tiny
+    return ulps * torch.finfo(dtype).eps * magnitude
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype a model's weights (and so its activations) are in."""
+    return getattr(model, "dtype", None) or next(model.parameters()).dtype
+
+
+def first_divergence(model, prompt: list[int], reference: list[int], output: list[int], ulps: int = 4):
+    """Where greedy `output` leaves the autoregressive `reference` of the same model: None
+    when identical, else (position, gap between the reference's top two logits there, the
+    tolerance for the model's dtype). A divergence at a gap within tolerance is a near-tie
+    that the rounding of a wider forward can flip; anything else is a bug."""
+    if output == reference:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(reference, output)) if a != b), min(len(reference), len(output)))
+    sequence = prompt + reference[:at]
+    with torch.inference_mode():  # as the reference ran: the prompt in one forward, then a token per forward
+        state = model.new_state(1, len(sequence) + 1)
+        if len(prompt) > 1:
+            model.forward(torch.tensor([prompt[:-1]], device=model.device), state, keep_logits=False)
+        for token in sequence[len(prompt) - 1:]:
+            logits = model.forward(torch.tensor([[token]], device=model.device), state)
+    top = logits[0, -1].float().topk(2).values
+    return at, float(top[0] - top[1]), tie_tolerance(float(top[0]), model_dtype(model), ulps)

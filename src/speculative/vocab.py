@@ -1,0 +1,88 @@
+"""Reduced draft vocabularies (FR-Spec): the N most frequent target tokens of a corpus.
+
+A draft that shares a 152k-262k token vocabulary with its target spends much of its time
+in its output layer. Scoring only the tokens that text actually uses most (counted once
+on a corpus, cached) cuts that share by the ratio N / V, while verification stays exact:
+the draft's q is zero outside the subset, so those tokens are never drafted and the
+target's residual keeps all their probability.
+
+Corpora: `stdlib` (this interpreter's standard library, the training files of
+`speculative train`: code), or a text file / JSON-lines file of {"text": ...} or
+{"prompt": ...} objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+# Characters of corpus text counted: enough for stable ranks of the top tens of thousands.
+CORPUS_CHARS = 4_000_000
+
+
+def frequent_tokens(tokenizer, texts: Iterable[str], n: int) -> torch.Tensor:
+    """The n most frequent token ids of `texts` (ties broken by the smaller id), as a sorted
+    1-D long tensor; fewer if the texts use fewer distinct tokens."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a draft vocabulary size must be an integer >= 1, got {n!r}")
+    counts: Counter[int] = Counter()
+    for text in texts:
+        counts.update(tokenizer.encode(text))
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))[:n]
+    return torch.tensor(sorted(ranked), dtype=torch.long)
+
+
+def corpus_texts(corpus: str, limit: int = CORPUS_CHARS) -> list[str]:
+    """Texts of a named corpus or a file, about `limit` characters in all."""
+    if corpus == "stdlib":
+        from .train.corpus import read_text, split_files
+
+        train, _ = split_files()
+        step = max(1, len(train) // 400)  # an even spread over the library
+        texts = [read_text(path) for path in train[::step]]
+    else:
+        path = Path(corpus)
+        if not path.is_file():
+            raise FileNotFoundError(f"draft vocabulary corpus {corpus} is neither 'stdlib' nor a file")
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix.lower() == ".jsonl":
+            texts = []
+            for number, line in enumerate(raw.splitlines(), 1):
+                if line.strip():
+                    row = json.loads(line)
+                    text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path} line {number}: expected an object with a \"text\" or "
+                                         "\"prompt\" string")
+                    texts.append(text)
+        else:
+            texts = [raw]
+    kept, total = [], 0
+    for text in texts:
+        kept.append(text[:limit - total])
+        total += len(kept[-1])
+        if total >= limit:
+            break
+    return kept
+
+
+def corpus_vocab(tokenizer, n: int, corpus: str = "stdlib", cache: Path | None = None) -> torch.Tensor:
+    """frequent_tokens over a corpus, cached per tokenizer, corpus and n."""
+    from .presets import cache_root
+
+    source = corpus if corpus == "stdlib" else [corpus, Path(corpus).stat().st_size, Path(corpus).stat().st_mtime_ns]
+    key = hashlib.sha1(json.dumps([sorted(tokenizer.vocab().items()), source, n]).encode()).hexdigest()[:16]
+    path = (cache or cache_root() / "vocab") / f"{key}.json"
+    if path.is_file():
+        return torch.tensor(json.loads(path.read_text()), dtype=torch.long)
+    ids = frequent_tokens(tokenizer, corpus_texts(corpus), n)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(ids.tolist()))
+    partial.replace(path)
+    return ids
