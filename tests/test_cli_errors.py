@@ -200,9 +200,9 @@ def test_ngram_sizes_apply_to_the_default_lookup_and_are_refused_elsewhere(capsy
     configs = []
 
     class Recording(package.SpeculativeDecoder):
-        def __init__(self, target, draft, config):
+        def __init__(self, target, draft, config, **options):
             configs.append(config)
-            super().__init__(target, draft, config)
+            super().__init__(target, draft, config, **options)
 
     monkeypatch.setattr(package, "SpeculativeDecoder", Recording)
     assert main(["generate", "--ngram-min", "2", "--ngram-max", "3", "--max-new-tokens", "2", "--fixed-k"]) == 0

@@ -72,8 +72,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     quantize = dtype == INT8
     if quantize:
         if not int8_available(device):
-            raise ValueError(f"int8 drafts need a CPU with PyTorch's fbgemm engine; {device} has none: use "
-                             "--draft-dtype auto, float32 or bfloat16")
+            raise ValueError(f"int8 drafts need PyTorch's fbgemm engine on a CPU; not available on {device}: "
+                             "use --draft-dtype auto, float32 or bfloat16")
         torch_dtype, reason = torch.float32, "int8 linear layers (a draft: proposals change, output never)"
         pack = False
     else:
