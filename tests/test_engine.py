@@ -277,6 +277,24 @@ def test_bad_engine_arguments():
         Engine(target, tiny("s4d", vocab=32))
 
 
+def test_a_model_without_add_rows_serves_one_batch_and_refuses_joins_at_once():
+    from helpers import TableModel
+
+    target = TableModel(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+    engine = Engine(target, None, max_batch_size=2)
+    engine.add_request([1, 2], SamplingParams(5), "a")
+    engine.add_request([3], SamplingParams(4), "b")
+    with pytest.raises(TypeError, match="the target model TableModel lacks add_rows, so requests cannot join"):
+        engine.add_request([4], SamplingParams(3), "c")  # the batch is full: it would have to join later
+    engine.step()
+    assert engine.state is not None
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.request_stats("a").generated == 5 and engine.request_stats("b").generated == 4
+    with pytest.raises(TypeError, match="lacks add_rows"):
+        engine.add_request([4], SamplingParams(3), "c")  # the state exists: it would join it
+
+
 def test_plain_decoding_through_the_engine_never_drafts():
     target = tiny("decoder_only", seed=9)
     engine = Engine(target, None, max_batch_size=3)

@@ -145,6 +145,12 @@ class Engine:
                 raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens and max_new_tokens is "
                                  f"{params.max_new_tokens}: {len(prompt) + params.max_new_tokens} tokens exceed the "
                                  f"{role} model's maximum length of {limit}")
+        if self.state is not None or len(self.waiting) >= self.max_batch_size:  # it will join a running batch
+            for role, model in (("target", self.target), ("draft", self.proposer.model)):
+                if model is not None and not callable(getattr(model, "add_rows", None)):
+                    raise TypeError(f"the {role} model {type(model).__name__} lacks add_rows, so requests cannot "
+                                    "join a running batch; add all requests before the first step (at most "
+                                    "max_batch_size), or implement add_rows (speculative.models.base)")
         draft_sampler = GREEDY if params.sampler.greedy else Sampler(
             self.config.draft_temperature, params.top_k, params.top_p)
         row = Row(request_id, number, list(prompt), params, draft_sampler, self.target.device)
