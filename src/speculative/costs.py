@@ -23,6 +23,7 @@ steps, and that warm probe replaces everything the first one led to.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 
@@ -34,6 +35,8 @@ from .adaptive import ESTIMATED_STEPS, Costs
 _BOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Observed steps after which the book's first probe is made again.
 REPROBE_AFTER = 32
+# Decoders made in several threads at once get one book per pair, not one each.
+_BOOKS_LOCK = threading.Lock()
 
 
 class CostBook:
@@ -70,10 +73,11 @@ class CostBook:
 def cost_book(target, draft) -> CostBook:
     """The process-wide book of this target and draft model (None: lookup or no drafting)."""
     key = (None if draft is None else id(draft), _dtype(target), torch.get_num_threads(), str(target.device))
-    books = _BOOKS.setdefault(target, {})
-    book = books.get(key)
-    if book is None or not book.draft_alive(draft):  # an id reused by a new draft model
-        book = books[key] = CostBook(draft)
+    with _BOOKS_LOCK:
+        books = _BOOKS.setdefault(target, {})
+        book = books.get(key)
+        if book is None or not book.draft_alive(draft):  # an id reused by a new draft model
+            book = books[key] = CostBook(draft)
     return book
 
 
