@@ -1,15 +1,25 @@
 """Regenerates every benchmark and the results section of BENCHMARKS.md.
 
-    python benchmarks/run.py            # all sections (about an hour on 2 CPU cores)
-    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch
+    python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
+    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, ...
+    python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
+
+Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
+two threads can run ten times slower than one (each waits for the other to be scheduled).
 
 Each section runs in this one process, on the same models and prompts for every method,
 and writes benchmarks/results/<section>.json (and a PNG where it helps); the tables in
 BENCHMARKS.md between the result markers are rebuilt from all the JSON files present.
 """
 
+import importlib.util
+import io
 import json
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,11 +115,54 @@ def section_batch():
     save("batch", report)
 
 
+def load_git_package(ref: str, name: str):
+    """The package as committed at `ref`, imported as `name`: today's code and the code at
+    `ref` then run side by side in one process, on the same machine state."""
+    root = Path(tempfile.mkdtemp(prefix=f"speculative-{ref}-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "src/speculative"], check=True,
+                             capture_output=True).stdout
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(root)
+    package = root / "src" / "speculative"
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def section_engine(smoke: bool = False):
+    """Continuous batching: the shipped pair with its default draft (lookup + draft model,
+    adaptive) against plain continuous batching and static batches; then batch-1 generate
+    of this code against the main branch's, in the same process."""
+    from speculative import SpeculativeConfig, SpeculativeDecoder
+    from speculative.bench_engine import batch_one, compare, workload
+
+    count, max_new, sizes, runs = (8, 32, (1, 4), 1) if smoke else (32, 128, (1, 4, 8, 16), 3)
+    target, tokenizer, draft = load_model("default"), load_tokenizer("default"), load_model("default-draft")
+    ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - max_new - 9)
+    config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
+    report = compare(target, draft, config, workload(ids, count, max_new), sizes, runs)
+    main = load_git_package("main", "speculative_main")
+    old = main.SpeculativeDecoder(main.load_model("default"), main.load_model("default-draft"),
+                                  main.SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
+    report["batch1"] = batch_one({"main": old, "this": SpeculativeDecoder(target, draft, config)}, ids, max_new,
+                                 runs)
+    print(f"  batch 1 generate: this {report['batch1']['this']['tokens_per_second']:.1f} tok/s, main "
+          f"{report['batch1']['main']['tokens_per_second']:.1f} tok/s: {report['batch1']['this']['vs_main']:.3f}x")
+    report.update(title=("Continuous batching: the shipped pair (lookup + draft model, adaptive, K <= 4), "
+                         f"{count} requests of code completion, {max_new} new tokens each"),
+                  machine=machine(), date=time.strftime("%Y-%m-%d"), requests=count, max_new_tokens=max_new,
+                  runs=runs, smoke=smoke)
+    save("engine-smoke" if smoke else "engine", report)
+
+
 SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section_gemma, "mixed": section_mixed,
             "batch": section_batch, "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
-            "divergence": lambda: qwen.divergence_section(save, prompts)}
+            "divergence": lambda: qwen.divergence_section(save, prompts),
+            "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 
@@ -152,7 +205,39 @@ def render() -> str:
                              f"{adaptive['drafted_per_step']:.2f} | "
                              f"{'yes' if fixed['identical'] and adaptive['identical'] else 'NO'} |")
             parts.append("")
+    path = RESULTS / "engine.json"
+    if path.is_file():
+        parts += render_engine(json.loads(path.read_text()))
     return "\n".join(parts)
+
+
+def render_engine(report: dict) -> list[str]:
+    parts = [f"### {report['title']}\n",
+             "Total tokens/s (speedup over plain continuous batching), time to first token p50 and latency "
+             "p50 / p99 in seconds, medians of "
+             f"{report['runs']} rounds. `engine`: continuous batching with the default draft; `plain`: the same "
+             "engine without a draft; `static`: SpeculativeDecoder.generate on fixed batches in arrival order.\n"]
+    for name, label in (("queued", "all requests queued at once"),
+                        ("spread", "arrivals spread at random over 75% of the time plain batching takes")):
+        parts += [f"{label.capitalize()}:\n",
+                  "| batch | engine tok/s | plain tok/s | static tok/s | engine TTFT | plain TTFT | static TTFT "
+                  "| engine latency p50 / p99 | plain latency p50 / p99 | static latency p50 / p99 | identical |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for size, entry in report[name].items():
+            e, p, s = entry["engine"], entry["plain"], entry["static"]
+            ok = all(x["identical"] for x in (e, p, s))
+            cells = [f"{e['tokens_per_second']:.1f} ({e['vs_plain']:.2f}x)", f"{p['tokens_per_second']:.1f}",
+                     f"{s['tokens_per_second']:.1f} ({s['vs_plain']:.2f}x)"]
+            cells += [f"{x['ttft_p50']:.2f}" for x in (e, p, s)]
+            cells += [f"{x['latency_p50']:.2f} / {x['latency_p99']:.2f}" for x in (e, p, s)]
+            parts.append(f"| {size} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+        parts.append("")
+    one = report["batch1"]
+    parts.append(f"Batch-1 `generate`, this code against the main branch's (loaded from git into the same process, "
+                 f"prompts in turn): {one['this']['tokens_per_second']:.1f} against "
+                 f"{one['main']['tokens_per_second']:.1f} tokens/s, {one['this']['vs_main']:.3f}x; identical "
+                 f"outputs: {'yes' if one['this']['identical'] else 'NO'}.\n")
+    return parts
 
 
 def update_markdown() -> None:
@@ -165,14 +250,17 @@ def update_markdown() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(int(os.environ.get("SPECULATIVE_BENCH_THREADS", min(2, torch.get_num_threads()))))
     RESULTS.mkdir(exist_ok=True)
-    chosen = sys.argv[1:] or list(SECTIONS)
+    chosen = sys.argv[1:] or [name for name in SECTIONS if not name.endswith("-smoke")]
     unknown = [c for c in chosen if c not in SECTIONS]
     if unknown:
         raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     for name in chosen:
         print(f"== {name}")
         SECTIONS[name]()
-    update_markdown()
-    print("BENCHMARKS.md updated")
+    if all(name.endswith("-smoke") for name in chosen):
+        print("smoke run: BENCHMARKS.md left as it is")
+    else:
+        update_markdown()
+        print("BENCHMARKS.md updated")

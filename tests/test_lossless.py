@@ -13,6 +13,8 @@ from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_ge
 from speculative.sampling import probabilities
 from helpers import TableModel, sharpen, tiny
 
+pytestmark = pytest.mark.slow  # statistical: tens of thousands of draws per test
+
 VOCAB, DRAWS, LENGTH, P_MIN = 8, 20_000, 3, 0.001
 PROMPT = [1, 5, 2, 7]
 

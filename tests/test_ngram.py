@@ -8,7 +8,7 @@ from test_greedy import CountingModel
 
 
 def propose(proposer, seq, k=10):
-    proposer.start([seq], 0, [])
+    proposer.add_rows([seq])
     out = proposer.propose([seq], [k])
     return out.tokens[0, :out.lengths[0]].tolist()
 

@@ -29,9 +29,14 @@ def test_shipped_files_load_and_match_their_configs():
 def test_shipped_pair_is_greedy_identical_to_the_target_alone(draft):
     target, tokenizer = load_model("default"), load_tokenizer("default")
     ids = tokenizer.encode("def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n")
+    reference = autoregressive_generate(target, ids, 48)
     decoder = SpeculativeDecoder(target, load_model(draft), SpeculativeConfig(num_draft_tokens=4))
-    assert decoder.generate(ids, 48) == autoregressive_generate(target, ids, 48)
-    assert decoder.acceptance_rate() > 0.05  # a trained draft, not noise (chance: 1 in 4096)
+    assert decoder.generate(ids, 48) == reference
+    # The draft's quality at a fixed K: adaptive drafting may rightly switch a draft off when
+    # the machine is busy, which says nothing about the draft.
+    fixed = SpeculativeDecoder(target, load_model(draft), SpeculativeConfig(num_draft_tokens=4, adaptive=False))
+    assert fixed.generate(ids, 48) == reference
+    assert fixed.acceptance_rate() > 0.05  # a trained draft, not noise (chance: 1 in 4096)
 
 
 def test_generate_with_no_arguments(capsys):

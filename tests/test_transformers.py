@@ -142,6 +142,25 @@ def test_loading_errors(tmp_path, monkeypatch, bad, error, message):
         load_model(bad)
 
 
+def test_a_model_directory_without_a_tokenizer_loads(tmp_path, capsys):
+    """Token ids in and out need no tokenizer; text needs one, and says so when it is missing."""
+    from speculative import load_tokenizer
+    from speculative.cli import main
+
+    model = llama(7)
+    model.save_pretrained(tmp_path / "bare")  # config.json and safetensors, no tokenizer files
+    target = load_model(tmp_path / "bare")
+    assert target.tokenizer is None
+    ids = prompt(8, 3)
+    assert SpeculativeDecoder(target, NGramProposer()).generate(ids, 12) == reference(model, ids, 12)
+    draft = saved(llama(8, hidden=32, layers=1), tmp_path / "draft")  # has a tokenizer: sizes are compared
+    assert SpeculativeDecoder(target, draft).generate(ids, 12) == reference(model, ids, 12)
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer .*works on token ids without one"):
+        load_tokenizer(tmp_path / "bare")
+    assert main(["generate", "--target", str(tmp_path / "bare"), "--prompt", "w1 w2"]) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
+
+
 def test_prompt_longer_than_the_context(hf_models):
     decoder = SpeculativeDecoder(hf_models["llama"], NGramProposer())
     with pytest.raises(ValueError, match="exceed the target model's maximum length of 256"):
@@ -168,6 +187,7 @@ def test_gemma_3_270m_greedy_equals_generate():
     assert decoder.stats.tokens_per_forward > 1.5
 
 
+@pytest.mark.slow
 def test_sampling_with_a_transformers_target_is_lossless():
     """The G-test of test_lossless, with a tiny-vocabulary transformers target and draft."""
     from test_lossless import VOCAB as V, draw, exact_joint, g_test_pvalue

@@ -5,6 +5,7 @@ import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.proposers.draft_model import DraftModelProposer
+from speculative.sampling import Sampler
 from speculative.vocab import corpus_vocab, frequent_tokens
 from helpers import TableModel, perturbed, sharpen, tiny
 
@@ -73,11 +74,15 @@ def test_drafts_come_from_the_subset_only():
     target = tiny("decoder_only", seed=1)
     subset = half_vocab(seed=3)
     proposer = DraftModelProposer(perturbed(target, 0.05, seed=2), vocab=subset)
-    proposer.start([[1, 2, 3]], 64, [torch.Generator().manual_seed(0)])
-    proposal = proposer.propose([[1, 2, 3]], [6])
-    assert set(proposal.tokens[0].tolist()) <= set(subset.tolist())
+    proposer.add_rows([[1, 2, 3], [4, 5]], 64, [Sampler(), Sampler(1.0)], [None, torch.Generator().manual_seed(0)])
+    proposal = proposer.propose([[1, 2, 3], [4, 5]], [6, 6])
+    assert set(proposal.tokens.flatten().tolist()) <= set(subset.tolist())  # greedy and sampled rows
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[subset] = False
+    assert proposal.probs[1][:, outside].sum() == 0 and torch.allclose(proposal.probs[1].sum(-1), torch.ones(6))
 
 
+@pytest.mark.slow
 def test_sampling_with_a_reduced_vocabulary_is_lossless():
     """G-test (20,000 draws, see test_lossless.py): q is zero outside the subset, and the
     target's residual gives those tokens all their probability. Negative control: a target

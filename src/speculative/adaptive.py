@@ -7,8 +7,9 @@ workload that changes from easy to hard prompts:
   for the draft model and one for prompt lookup;
 - costs at each batch size: a target forward of width 1 costs v1 seconds, and of width
   T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row product is a
-  matrix-vector kernel of its own); first from probe forwards, then from every step; one
-  forward of the draft model over the batch costs d seconds;
+  matrix-vector kernel of its own); first from probe forwards, measured once per pair of
+  models in the process, or estimated from other batch sizes (`costs.CostBook`), then
+  from every step; one forward of the draft model over the batch costs d seconds;
 - acceptance of the draft model as a function of its confidence (its probability for
   the token).
 
@@ -30,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BINS = 10
+# Observed steps after which an estimated cost (from other batch sizes) counts as measured.
+ESTIMATED_STEPS = 4
 
 
 @dataclass
@@ -42,11 +45,20 @@ class Costs:
     draft: float
     # Decayed sums (weight, x, y, xx, xy) of a least-squares line through (width, seconds), width >= 2.
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    # Observed steps left before an estimate made from other batch sizes counts as measured:
+    # until then timings are taken as they come, and it is not used to estimate others.
+    estimated: int = 0
+    # Steps observed at this batch size.
+    steps: int = 0
+
+    def renew(self, other: "Costs") -> None:
+        """Take another's figures in place (every policy holding this object sees them)."""
+        self.v1, self.draft, self.sums, self.estimated = other.v1, other.draft, list(other.sums), other.estimated
 
     def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
         """One timing; `robust` caps it at twice the current estimate, so that one stall
         (another process, a page fault) cannot switch speculation off for long."""
-        if robust and (self.sums[0] > 0 or width == 1):
+        if robust and not self.estimated and (self.sums[0] > 0 or width == 1):
             seconds = min(seconds, 2 * self.verify(width))
         if width == 1:
             self.v1 = decay * self.v1 + (1 - decay) * seconds
@@ -150,8 +162,9 @@ class Plan:
 
     width: int
     use_model: bool
-    # Draft confidence below which a model row stops drafting (0 = never stop).
-    min_confidence: float = 0.0
+    # Draft confidence below which a model row stops drafting (0 = never stop; None = the
+    # draft need not report confidences, nobody learns from them).
+    min_confidence: float | None = 0.0
 
 
 @dataclass
@@ -168,6 +181,18 @@ class AdaptivePolicy:
     # Steps since drafting ran at all, and since the draft model ran where it could have.
     idle_steps: int = 0
     model_idle_steps: int = 0
+    # Where costs come from for a batch size not planned yet: a `costs.CostBook` shared by
+    # every policy on the same models; None: measured by each policy itself.
+    book: object = None
+
+    def prepare(self, batch: int, measure) -> None:
+        """Have costs for a batch of this many rows before planning it: from the book (which
+        measures only when it knows no batch size at all, and once more when warm) or,
+        without a book, `measure()`."""
+        if self.book is not None:
+            self.costs[batch] = self.book.get(batch, self.max_k + 1, measure)
+        elif batch not in self.costs:
+            self.costs[batch] = measure()
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -243,6 +268,42 @@ class AdaptivePolicy:
         """Refine the cost model of this batch size from one step's timings."""
         costs = self.costs[batch]
         costs.add(width, verify_seconds)
+        costs.estimated = max(0, costs.estimated - 1)
+        costs.steps += 1
         if draft_forwards:
             per_forward = min(draft_seconds / draft_forwards, 2 * costs.draft)
             costs.draft = (1 - weight) * costs.draft + weight * per_forward
+
+    def observe_step(self, batch: int, proposal, limits: list[int], accepted: list[int], verify_seconds: float,
+                     draft_forwards: int, draft_seconds: float) -> None:
+        """Learn from one step: lookup rows teach the lookup's acceptance, the others the
+        draft model's and where it stopped short of its limit; then the step's costs."""
+        free = proposal.free or [False] * len(accepted)
+        lookup = [i for i, f in enumerate(free) if f]
+        self.lookup.observe([proposal.lengths[i] for i in lookup], [accepted[i] for i in lookup])
+        model = [i for i, f in enumerate(free) if not f and limits[i] > 0]
+        self.model.observe([proposal.lengths[i] for i in model], [accepted[i] for i in model])
+        self.model.observe_stops([limits[i] for i in model], [proposal.lengths[i] for i in model])
+        if proposal.confidences is not None:
+            self.observe_confidence([proposal.lengths[i] for i in model], [accepted[i] for i in model],
+                                    [proposal.confidences[i] for i in model])
+        self.observe_costs(batch, proposal.tokens.shape[1] + 1, verify_seconds, draft_forwards, draft_seconds)
+
+
+@dataclass
+class FixedPolicy:
+    """Draft K tokens every step (each row at most what it can still use): the plan when
+    adaptive drafting is off, and whenever a seeded sampled request runs (adaptive K follows
+    timings, which would make its tokens vary from run to run)."""
+
+    k: int
+
+    def prepare(self, batch: int, measure) -> None:
+        pass  # plans without costs
+
+    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],
+             has_model: bool) -> Plan:
+        return Plan(self.k, has_model, min_confidence=None)
+
+    def observe_step(self, *step) -> None:
+        pass  # learns nothing

@@ -173,6 +173,10 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
             if (folder / "tokenizer.json").is_file() and (builtin or folder == path.parent):
                 return _builtin_tokenizer(folder / "tokenizer.json")
             if folder == path and not builtin and config.is_file():
+                if not has_tokenizer(path):
+                    raise FileNotFoundError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): the model "
+                                            "works on token ids without one, but text in or out needs one; add the "
+                                            "tokenizer's files to that directory")
                 return _hf_tokenizer(path)
         raise FileNotFoundError(f"no tokenizer found in {path} or its parent")
     return _hf_tokenizer(path)
@@ -256,7 +260,17 @@ def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
                                                  use_safetensors=True).to(device)
     prepare(model)
-    return HFModel(model, _hf_tokenizer(path, model))
+    # Token ids in and out need no tokenizer: a directory without one loads (text features say so).
+    return HFModel(model, _hf_tokenizer(path, model) if has_tokenizer(path) else None)
+
+
+# Files that any transformers tokenizer is loaded from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):

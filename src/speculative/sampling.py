@@ -6,7 +6,44 @@ p/q compares the two distributions that are actually sampled from.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How one row turns logits into a distribution: temperature 0 is greedy (the argmax)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+
+GREEDY = Sampler()
+
+
+def row_probabilities(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Distributions (B, ..., V) from logits (B, ..., V), row b shaped by samplers[b]. Rows
+    with the same settings are computed together, by the same function as a row alone."""
+    first = samplers[0]
+    if all(s == first for s in samplers):
+        return first.probabilities(logits)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[Sampler, list[int]] = {}
+    for row, sampler in enumerate(samplers):
+        groups.setdefault(sampler, []).append(row)
+    for sampler, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = sampler.probabilities(logits[index])
+    return out
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,

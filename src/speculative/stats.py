@@ -77,6 +77,17 @@ class DecodeStats:
             for i in range(a):
                 self.accepted_at[i] += 1
 
+    def add(self, other: "DecodeStats") -> None:
+        """Add another's counts and seconds to these (an engine's step into a decoder's totals)."""
+        for name, value in other.__dict__.items():
+            if isinstance(value, list):
+                mine = getattr(self, name)
+                mine += [0] * (len(value) - len(mine))
+                for i, v in enumerate(value):
+                    mine[i] += v
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
     def summary(self) -> dict:
         """A flat JSON-able view, properties included."""
         out = {k: v for k, v in self.__dict__.items()}
@@ -85,3 +96,26 @@ class DecodeStats:
                    other_seconds=self.other_seconds, overhead_seconds=self.overhead_seconds,
                    tokens_per_second=self.tokens_per_second)
         return out
+
+
+@dataclass
+class RequestStats:
+    """What one request of an engine drafted and kept (a server reports these per response)."""
+
+    # Tokens drafted for this request, and of those the ones the target kept.
+    drafted: int = 0
+    accepted: int = 0
+    # Target forwards (steps) the request took part in, prompt processing not counted.
+    target_forwards: int = 0
+    # Tokens it was given (accepted + recovered + bonus, cut at its budget or stop token).
+    generated: int = 0
+    # Tokens in its prompt.
+    prompt_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0

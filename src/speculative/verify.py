@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .sampling import sample, uniform
+from .sampling import Sampler, row_probabilities, sample, uniform
 
 
 def accept_reject(draft_tokens, verifier_tokens) -> torch.Tensor:
@@ -90,3 +90,34 @@ def rejection_verify(draft_tokens: torch.Tensor, draft_lengths: list[int],
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
         p_next = torch.where(rejected[:, None], residual, p_next)
     return accepted, sample(p_next, generators)
+
+
+def verify_rows(draft_tokens: torch.Tensor, draft_lengths: list[int], draft_probs: torch.Tensor | None,
+                target_logits: torch.Tensor, samplers: list[Sampler],
+                generators: list[torch.Generator]) -> tuple[list[int], list[int]]:
+    """Each row by its own rule in one batch: greedy rows (temperature 0) keep drafts equal
+    to the target's argmax; sampled rows follow the rejection rule with p shaped by their
+    own temperature / top-k / top-p, drawing from their own generator. target_logits
+    (B, K+1, V), in float32. Returns accepted and the extra token per row, as lists."""
+    sampled = [i for i, s in enumerate(samplers) if not s.greedy]
+    if not sampled:
+        accepted, extra = greedy_verify(draft_tokens, draft_lengths, target_logits)
+        return accepted.tolist(), extra.tolist()
+    if len(sampled) == len(samplers):
+        p = row_probabilities(target_logits, samplers)
+        accepted, extra = rejection_verify(draft_tokens, draft_lengths, draft_probs, p, generators)
+        return accepted.tolist(), extra.tolist()
+    accepted, extra = [0] * len(samplers), [0] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
+    for rows, is_sampled in ((greedy, False), (sampled, True)):
+        index = torch.tensor(rows, device=draft_tokens.device)
+        tokens, lengths, logits = draft_tokens[index], [draft_lengths[i] for i in rows], target_logits[index]
+        if is_sampled:
+            p = row_probabilities(logits, [samplers[i] for i in rows])
+            q = None if draft_probs is None else draft_probs[index]
+            kept, nxt = rejection_verify(tokens, lengths, q, p, [generators[i] for i in rows])
+        else:
+            kept, nxt = greedy_verify(tokens, lengths, logits)
+        for i, a, x in zip(rows, kept.tolist(), nxt.tolist()):
+            accepted[i], extra[i] = a, x
+    return accepted, extra

@@ -5,21 +5,29 @@ object made by `new_state`, so one loaded model can serve several generations at
 Every tensor has a batch dimension B, and every row has its own length: after a
 speculative step rows keep different numbers of tokens (ragged acceptance).
 
-The engine uses four operations:
+The engine uses these operations:
 
 - `new_state(batch_size, capacity)`: an empty state for B rows of at most `capacity`
   tokens each (capacity bounds the tokens ever fed, including rejected drafts).
-- `forward(tokens, state, num_valid=None, keep_logits=True)`: tokens (B, T) are appended
-  to each row; returns logits (B, T, V). With `num_valid`, row b only keeps its first
-  num_valid[b] tokens (its other tokens are padding whose logits are garbage); this is
-  how rows of different lengths share one call. keep_logits=False may return None
-  (prompt processing needs no logits, and a 262k-token output layer is costly).
+- `forward(tokens, state, num_valid=None, keep_logits=True, return_hidden=False,
+  positions=None)`: tokens (B, T) are appended to each row; returns float32 logits
+  (B, T, V). With `num_valid`, row b only keeps its first num_valid[b] tokens (its other
+  tokens are padding whose logits are garbage); this is how rows of different lengths
+  share one call. keep_logits=False may return None (prompt processing needs no logits,
+  and a 262k-token output layer is costly); return_hidden=True also returns the final
+  hidden states. `positions` (B, T) are the tokens' positions, apart from the cache slots
+  they take (default: each row's next positions), so that a token tree can give siblings
+  one depth; a recurrent model only accepts the default.
 - `rollback(state, lengths)`: truncate row b to its first lengths[b] tokens. A model may
   only guarantee rollback over the short forwards (a speculative step's worth of tokens)
   made since its previous rollback: a recurrent model keeps the states it passed through
   until then. The engine never needs more: it only ever rolls back drafted tokens.
 - `select_rows(state, rows)`: keep only the given rows, in that order (finished
   sequences leave the batch and stop costing compute).
+- `add_rows(state, new, capacity)`: append the rows of `new`, a state of the same model
+  (requests joining a running batch, prefilled apart); every row then has room for
+  `capacity` tokens. Called between steps, after rollback. Needed only when requests join
+  a running batch (the step engine); a generate() call admits all its rows at once.
 
 Plus the attributes `vocab_size`, `max_seq_len` (None when unbounded) and `device`.
 """
@@ -49,6 +57,9 @@ class LanguageModel(Protocol):
 
     def select_rows(self, state: Any, rows: list[int]) -> None: ...
 
+    # add_rows(state, new, capacity) and forward's return_hidden and positions: see above
+    # (not required here, so that a minimal model still serves generate()).
+
 
 def check_lengths(lengths: list[int], current: list[int], lowest: list[int] | None = None) -> None:
     """Reject a rollback that would grow a row or reach before what the model kept."""
@@ -69,6 +80,20 @@ def valid_counts(num_valid: list[int] | None, batch: int, width: int) -> list[in
         raise ValueError(f"num_valid must hold {batch} counts in 0..{width}, got {num_valid}")
     return num_valid
 
+
+def pad(rows: list[list[int]], device=None, value: int = 0) -> torch.Tensor:
+    """Token lists as a right-padded (B, max(1, longest)) long tensor."""
+    width = max(1, max(map(len, rows), default=0))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def prefill(model, prompts: list[list[int]], capacity: int):
+    """A fresh state that has seen every prompt but its last token (fed with the first step)."""
+    state = model.new_state(len(prompts), capacity)
+    heads = [p[:-1] for p in prompts]
+    if max(map(len, heads)) > 0:
+        model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=False)
+    return state
 
 def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool):
     """What a forward returns: float32 logits (or None), with the hidden states if asked."""

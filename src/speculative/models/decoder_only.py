@@ -66,7 +66,11 @@ class DecoderOnlyConfig:
 
 
 class KVState:
-    """Per-generation cache: keys and values per layer (B, H_kv, capacity, D), one length per row."""
+    """Per-generation cache: keys and values per layer in buffers (R, H_kv, capacity + 1, D)
+    whose first B rows are in use, one length per row. R >= B: slots of rows that left are
+    reused by rows that join, so a running batch does not reallocate or copy its cache. The
+    last slot is scratch: padding tokens (past a row's num_valid) write there, so a row
+    near its capacity can share a forward with rows that feed more tokens."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.keys = keys
@@ -75,7 +79,12 @@ class KVState:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.keys[0].shape[2] - 1
+
+    def in_use(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views (B, H_kv, capacity, D) of the rows in use."""
+        batch = len(self.lengths)
+        return [k[:batch] for k in self.keys], [v[:batch] for v in self.values]
 
 
 class RMSNorm(nn.Module):
@@ -186,7 +195,7 @@ class DecoderOnlyLM(nn.Module):
     # --- state ---------------------------------------------------------------------------
     def new_state(self, batch_size: int, capacity: int) -> KVState:
         cfg, weight = self.cfg, self.embed_tokens.weight
-        shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
+        shape = (batch_size, cfg.num_kv_heads, capacity + 1, cfg.head_dim)  # + the scratch slot
         return KVState([torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers],
                        [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers])
 
@@ -194,33 +203,59 @@ class DecoderOnlyLM(nn.Module):
         check_lengths(lengths, state.lengths)
         state.lengths = list(lengths)
 
+    @torch.inference_mode()  # the buffers are updated in place, and usually made in inference mode
     def select_rows(self, state: KVState, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
-        state.keys = [k.index_select(0, index) for k in state.keys]
-        state.values = [v.index_select(0, index) for v in state.values]
+        # Only rows that change place are copied, and only their used slots.
+        moves = [(i, r) for i, r in enumerate(rows) if i != r]
+        if moves:
+            dst = torch.tensor([i for i, _ in moves], device=self.device)
+            src = torch.tensor([r for _, r in moves], device=self.device)
+            used = max(state.lengths[r] for _, r in moves)
+            for buffer in state.keys + state.values:
+                buffer[dst, :, :used] = buffer[src, :, :used]
         state.lengths = [state.lengths[r] for r in rows]
+
+    @torch.inference_mode()
+    def add_rows(self, state: KVState, new: KVState, capacity: int) -> None:
+        batch, joining = len(state.lengths), len(new.lengths)
+        rows, room = state.keys[0].shape[0], max(capacity, state.capacity)
+        if batch + joining > rows or room > state.capacity:  # rare: the batch or the longest request grew
+            grown = self.new_state(max(rows, batch + joining), room)
+            used = max(state.lengths, default=0)
+            for old, buffer in zip(state.keys + state.values, grown.keys + grown.values):
+                buffer[:batch, :, :used] = old[:batch, :, :used]
+            state.keys, state.values = grown.keys, grown.values
+        used = max(new.lengths, default=0)
+        if used > state.capacity:
+            raise ValueError(f"joining rows hold {used} positions; the cache holds {state.capacity}")
+        for buffer, part in zip(state.keys + state.values, new.keys + new.values):
+            buffer[batch:batch + joining, :, :used] = part[:joining, :, :used]
+        state.lengths = state.lengths + list(new.lengths)
 
     # --- forward -------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, T, D) for positions (B, T) below `needed`; the table grows on demand."""
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < needed \
-                or self._rope_cache[0].device != positions.device:
+        """cos, sin (B, 1, T, D) for positions (B, T) below `needed`; the table grows on demand
+        (read once into a local: several threads may share the model)."""
+        table = self._rope_cache
+        if table is None or table[0].shape[0] < needed or table[0].device != positions.device:
             size = max(needed, self.cfg.max_seq_len)
             dim = self.cfg.head_dim
             inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
             freqs = torch.outer(torch.arange(size, device=positions.device).float(), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache = (emb.cos(), emb.sin())
+            table = self._rope_cache = (emb.cos(), emb.sin())
         dtype = self.embed_tokens.weight.dtype
-        cos, sin = (table[positions].to(dtype).unsqueeze(1) for table in self._rope_cache)
+        cos, sin = (t[positions].to(dtype).unsqueeze(1) for t in table)
         return cos, sin
 
     def forward(self, tokens: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
-                keep_logits: bool = True, return_hidden: bool = False):
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
         """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
-        Without a state, scores the tokens as whole sequences from position 0 (training).
-        keep_logits=False skips the output projection (prompt processing needs no logits);
+        Token i of row b goes to cache slot lengths[b] + i and sees the slots before it;
+        `positions` (B, T) are the positions its rotary embedding encodes (default: its
+        slot). Without a state, scores the tokens as whole sequences from position 0
+        (training). keep_logits=False skips the output projection (prompts need no logits);
         return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
         """
         if state is None:
@@ -233,27 +268,33 @@ class DecoderOnlyLM(nn.Module):
         batch, width = tokens.shape
         counts = valid_counts(num_valid, batch, width)
         starts = state.lengths
-        keys = max(starts) + width
+        keys = max(s + c for s, c in zip(starts, counts))  # slots holding valid tokens after this forward
         if keys > state.capacity:
             raise ValueError(f"KV cache holds {state.capacity} positions; this forward needs {keys}")
         device = tokens.device
-        start_t = torch.tensor(starts, device=device)
-        positions = start_t[:, None] + torch.arange(width, device=device)  # (B, T)
-        cos, sin = self._rope(positions, keys)
-        if min(starts) == max(starts):
+        slots = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # (B, T)
+        if positions is None:
+            cos, sin = self._rope(slots, keys)
+        elif tuple(positions.shape) != (batch, width):
+            raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
+        else:
+            cos, sin = self._rope(positions, int(positions.max()) + 1)
+        if min(starts) == max(starts) and starts[0] + width <= state.capacity:
             first = starts[0]
 
             def write(cache, new):
                 cache[:, :, first:first + width] = new
         else:
             rows = torch.arange(batch, device=device)[:, None]
+            padding = torch.arange(width, device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
+            targets = slots.masked_fill(padding, state.capacity)  # padding goes to the scratch slot
 
             def write(cache, new):
-                cache[rows, :, positions] = new.transpose(1, 2)
-        # A query at position t sees keys at positions <= t (stale entries lie beyond).
-        mask = (torch.arange(keys, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+                cache[rows, :, targets] = new.transpose(1, 2)
+        # A query in slot s sees the keys in slots <= s (stale entries lie beyond).
+        mask = (torch.arange(keys, device=device)[None, None, :] <= slots[:, :, None]).unsqueeze(1)
         x = self.embed_tokens(tokens)
-        for layer, cache_k, cache_v in zip(self.layers, state.keys, state.values):
+        for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
             x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
         return output(self.lm_head, self.norm(x), keep_logits, return_hidden)

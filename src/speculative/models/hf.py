@@ -6,7 +6,9 @@ becomes a hole that its attention mask hides. We pass the model our own 4-D mask
 per-row position ids, so each row sees exactly its own tokens at their own positions.
 Sliding-window layers (Gemma 3) get a mask that measures the window in each row's
 positions, not in slots; the cache keeps full layers so no slot a window may need is
-dropped. Rollback hides the rolled-back slots and crops the slots no row keeps.
+dropped. Rollback hides the rolled-back slots and crops the slots no row keeps; when
+holes make up more than half the slots, and whenever rows join, each row's slots are
+compacted to the front, so a long-running batch keeps a bounded cache.
 """
 
 from __future__ import annotations
@@ -82,17 +84,16 @@ class HFModel:
         return next(self.model.parameters()).dtype
 
     def new_state(self, batch_size: int, capacity: int | None = None) -> HFState:
-        from transformers import DynamicCache
-
-        # No config: every layer keeps all its slots (our masks do the windowing).
-        return HFState(DynamicCache(), batch_size, self.device)
+        return HFState(_empty_cache(), batch_size, self.device)
 
     def _masks(self, state: HFState, positions: torch.Tensor):
-        """Additive masks (B, 1, T, S+T) for the new tokens at `positions` (B, T)."""
+        """Additive masks (B, 1, T, S+T) for new tokens at `positions` (B, T): each sees the
+        slots its row keeps at earlier positions, and the new tokens up to itself."""
         batch, width = positions.shape
-        keys_valid = torch.cat([state.valid, torch.ones(batch, width, dtype=torch.bool, device=positions.device)], 1)
+        cached = state.valid[:, None, :] & (state.positions[:, None, :] <= positions[:, :, None])  # (B, T, S)
+        causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
+        visible = torch.cat([cached, causal.expand(batch, width, width)], 2)  # (B, T, S+T)
         keys_pos = torch.cat([state.positions, positions], 1)
-        visible = keys_valid[:, None, :] & (keys_pos[:, None, :] <= positions[:, :, None])  # (B, T, S+T)
         blocked = torch.finfo(self.dtype).min
 
         def additive(allowed):
@@ -106,12 +107,16 @@ class HFModel:
         return masks, keys_pos
 
     def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
-                keep_logits: bool = True, return_hidden: bool = False):
-        """As the protocol says; return_hidden=True also returns the final hidden states (B, T, H)."""
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+        """As the protocol says: float32 logits (B, T, V); `positions` (B, T) default to each
+        row's next positions; return_hidden=True also returns the final hidden states (B, T, H)."""
         batch, width = tokens.shape
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device
-        positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
+        if positions is None:
+            positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
+        elif tuple(positions.shape) != (batch, width):
+            raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
         masks, keys_pos = self._masks(state, positions)
         mask = masks if len(self.layer_types) > 1 else masks["full_attention"]
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
@@ -156,13 +161,56 @@ class HFModel:
         state.valid = state.valid & (state.valid.long().cumsum(1) <= keep)
         state.lengths = list(lengths)
         self._crop(state)
+        if state.valid.shape[1] > 2 * max(lengths, default=0) + 8:  # mostly holes
+            self._compact(state)
 
     def select_rows(self, state: HFState, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=state.valid.device)
+        index = torch.tensor(rows, dtype=torch.long, device=state.valid.device)
         state.cache.batch_select_indices(index)
         state.valid, state.positions = state.valid[index], state.positions[index]
         state.lengths = [state.lengths[r] for r in rows]
         self._crop(state)
+
+    def add_rows(self, state: HFState, new: HFState, capacity: int | None = None) -> None:
+        """Append the rows of `new`, both compacted first, the shorter side padded with holes."""
+        self._compact(state)
+        self._compact(new)
+        slots = max(state.valid.shape[1], new.valid.shape[1])
+        mine, theirs = self._tensors(state), self._tensors(new)
+        cache = _empty_cache()
+        for index, (k, v) in enumerate(mine or theirs):  # no layers on either side: nothing seen yet
+            joined = []
+            for side, rows in ((mine, len(state.lengths)), (theirs, len(new.lengths))):
+                pair = side[index] if side else [t.new_zeros((rows, t.shape[1], 0, t.shape[3])) for t in (k, v)]
+                joined.append([_pad(t, slots, rows, dim=2) for t in pair])
+            cache.update(torch.cat([joined[0][0], joined[1][0]]), torch.cat([joined[0][1], joined[1][1]]), index)
+        state.cache = cache
+        state.valid = torch.cat([_pad(state.valid, slots, dim=1), _pad(new.valid, slots, dim=1)])
+        state.positions = torch.cat([_pad(state.positions, slots, dim=1), _pad(new.positions, slots, dim=1)])
+        state.lengths = state.lengths + list(new.lengths)
+
+    @staticmethod
+    def _tensors(state: HFState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values (B, H, S, D) per layer; empty before the first forward."""
+        layers = state.cache.layers
+        if not layers or any(layer.keys is None or layer.keys.dim() != 4 for layer in layers):
+            return []
+        return [(layer.keys, layer.values) for layer in layers]
+
+    def _compact(self, state: HFState) -> None:
+        """Move each row's kept slots to the front, in order; drop the slots no row needs."""
+        counts = state.valid.sum(1)
+        slots = int(counts.max()) if len(counts) else 0
+        if slots == state.valid.shape[1]:
+            return
+        order = torch.argsort((~state.valid).to(torch.int8), dim=1, stable=True)[:, :slots]  # (B, S')
+        state.positions = state.positions.gather(1, order)
+        state.valid = torch.arange(slots, device=counts.device)[None, :] < counts[:, None]
+        for layer in state.cache.layers:
+            if layer.keys is None or layer.keys.dim() != 4:
+                continue
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
     def _crop(self, state: HFState) -> None:
         """Drop the trailing slots that no row keeps."""
@@ -170,5 +218,27 @@ class HFModel:
         used = state.valid.any(0).nonzero()
         last = int(used[-1]) + 1 if len(used) else 0
         if last < slots:
-            state.cache.crop(last - slots)  # a negative count: slots to remove
+            if last == 0:  # no slot left: a fresh cache (an emptied one may keep a stale batch size)
+                state.cache = _empty_cache()
+            else:
+                state.cache.crop(last - slots)  # a negative count: slots to remove
             state.valid, state.positions = state.valid[:, :last], state.positions[:, :last]
+
+
+def _empty_cache():
+    from transformers import DynamicCache
+
+    # No config: every layer keeps all its slots (our masks do the windowing).
+    return DynamicCache()
+
+
+def _pad(tensor: torch.Tensor, size: int, rows: int | None = None, dim: int = 1) -> torch.Tensor:
+    """`tensor` padded with zeros (False) along `dim` to `size`; `rows` checks its batch."""
+    if rows is not None and tensor.shape[0] != rows:
+        raise ValueError(f"a cache layer holds {tensor.shape[0]} rows; the state has {rows}")
+    missing = size - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)

@@ -207,17 +207,33 @@ class S4DLM(nn.Module):
         state.lengths = list(lengths)  # the next forward starts from the state at these lengths
 
     def select_rows(self, state: SSMState, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         state.history = [h.index_select(0, index) for h in state.history]
         state.base = [state.base[r] for r in rows]
         state.lengths = [state.lengths[r] for r in rows]
 
+    def add_rows(self, state: SSMState, new: SSMState, capacity: int | None = None) -> None:
+        """Append the rows of `new` (their current states only: rows join between steps)."""
+        grown = []
+        for mine, theirs in zip(self._current(state), self._current(new)):
+            buffer = mine.new_zeros((len(mine) + len(theirs), state.history[0].shape[1], *mine.shape[1:]))
+            buffer[:len(mine), 0] = mine
+            buffer[len(mine):, 0] = theirs
+            grown.append(buffer)
+        state.history, state.depth = grown, 1
+        state.lengths = state.lengths + list(new.lengths)
+        state.base = list(state.lengths)
+
+    def _current(self, state: SSMState) -> list[torch.Tensor]:
+        """Per layer, each row's state at its current length (B, H, N)."""
+        rows = torch.arange(len(state.lengths), device=self.device)
+        at = torch.tensor(state.offsets(), device=self.device, dtype=torch.long)
+        return [buffer[rows, at] for buffer in state.history]
+
     def _collapse(self, state: SSMState) -> None:
         """Keep only each row's current state, at index 0 (history starts again at its length)."""
-        rows = torch.arange(len(state.lengths), device=self.device)
-        at = torch.tensor(state.offsets(), device=self.device)
-        for buffer in state.history:
-            buffer[:, 0] = buffer[rows, at]
+        for buffer, current in zip(state.history, self._current(state)):
+            buffer[:, 0] = current
         state.depth = 1
         state.base = list(state.lengths)
 
@@ -235,13 +251,15 @@ class S4DLM(nn.Module):
                 grown.append(new)
             state.history = grown
 
-    def forward(self, tokens: torch.Tensor, state: SSMState | None = None,
-                num_valid: list[int] | None = None, keep_logits: bool = True, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, state: SSMState | None = None, num_valid: list[int] | None = None,
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
         """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
-        Without a state, scores the tokens as whole sequences from a zero state (training).
-        keep_logits=False skips the output projection (prompt processing needs no logits);
-        return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
+        A recurrence reads tokens in order: `positions`, when given, must be each row's
+        next positions (a token tree needs a model with attention). Without a state, scores
+        the tokens as whole sequences from a zero state (training). keep_logits=False skips
+        the output projection (prompt processing needs no logits); return_hidden=True
+        returns (logits or None, the final hidden states (B, T, H)).
         """
         if state is None:
             x = self.embed_tokens(tokens)
@@ -252,6 +270,12 @@ class S4DLM(nn.Module):
             return self.lm_head(self.norm(x))
         batch, width = tokens.shape
         counts = valid_counts(num_valid, batch, width)
+        if positions is not None:
+            expected = torch.tensor(state.lengths, device=positions.device)[:, None] + torch.arange(
+                width, device=positions.device)
+            if tuple(positions.shape) != (batch, width) or not torch.equal(positions, expected):
+                raise ValueError("s4d models read tokens in sequence: positions must be each row's next positions "
+                                 f"{expected.tolist()}, got {positions.tolist()}")
         if any(offset != state.depth - 1 for offset in state.offsets()):
             self._collapse(state)  # a rollback, or padding in some row: start from each row's state
         keep_all = width <= SHORT_CHUNK

@@ -1,8 +1,26 @@
-"""Draft sources: a draft model, n-gram lookup in the prompt and output."""
+"""Draft sources: a draft model, n-gram lookup in the prompt and output, both, or none."""
 
-from .base import Proposal, Proposer
+from .base import NoDraft, Proposal, Proposer, merge_drafts
 from .draft_model import DraftModelProposer
 from .hybrid import HybridProposer
 from .ngram import NGramProposer
 
-__all__ = ["Proposal", "Proposer", "DraftModelProposer", "HybridProposer", "NGramProposer"]
+
+def as_proposer(draft, config, vocab=None) -> Proposer:
+    """What drafts for the engine: `draft` itself when it is a proposer, no drafting for
+    None, else a draft model (scoring only `vocab` when given), behind prompt lookup when
+    `config.prompt_lookup`. Check `draft` first (inputs.check_draft)."""
+    if draft is None:
+        return NoDraft()
+    if isinstance(draft, Proposer):
+        if vocab is not None:
+            raise ValueError("draft_vocab applies to a draft model; pass it to the proposer itself")
+        return draft
+    proposer = DraftModelProposer(draft, vocab=vocab)
+    if config.prompt_lookup:
+        proposer = HybridProposer(proposer, NGramProposer(config.max_ngram, config.min_ngram, config.num_draft_tokens))
+    return proposer
+
+
+__all__ = ["Proposal", "Proposer", "NoDraft", "DraftModelProposer", "HybridProposer", "NGramProposer",
+           "as_proposer", "merge_drafts"]

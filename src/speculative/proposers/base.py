@@ -1,17 +1,33 @@
 """The proposer interface: whatever drafts tokens for the target to verify.
 
-Two calls per step, as in transformers' candidate generators: `propose` drafts up to
-limits[b] tokens for row b from the committed sequences; `commit` sees the sequences as
-committed after verification, so the proposer can roll back to what still holds.
-`start` prepares a batch and `select_rows` drops finished rows.
+A proposer is handed everything it needs by the engine, and answers everything the
+engine asks of it; the engine never inspects its type. Per step:
+
+- `free_drafts(sequences, limits)`: per row, what it drafts at no cost (prompt lookup;
+  nothing for a draft model alone), and whether that draft is `preferred` to the model's.
+- `propose(sequences, limits, min_confidence)`: up to limits[b] tokens from the draft
+  `model` for row b (rows with limit 0 draft nothing); called only when `model` is not
+  None. With `min_confidence`, a row stops before the first token the draft gives less
+  than that probability, and the confidences come back for the adaptive policy.
+- `commit(sequences)`: the sequences as committed after verification, so that the draft
+  model rolls back to what still holds; called only in steps where `propose` ran.
+
+Rows join with `add_rows(prompts, capacity, samplers, generators)` (the draft's sampling
+settings and random stream per row) and leave with `select_rows(rows)`. `fork()` gives a
+proposer with the same models and settings and no rows: every engine drafts with its own,
+so that generations running at once never share per-row state. `probe_seconds(sequences)`
+times one draft-model forward over these rows (0 without a model): the cost probe.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from ..models.base import pad
+from ..sampling import Sampler
 
 
 @dataclass
@@ -20,23 +36,95 @@ class Proposal:
     tokens: torch.Tensor
     # Drafted tokens per row; rows may draft fewer than K (an n-gram lookup may find none).
     lengths: list[int]
-    # The draft distributions q (B, K, V) the tokens were sampled from; None when the
-    # tokens are deterministic (greedy draft, n-gram lookup): q is then one-hot.
+    # The draft distributions q (B, K, V) the tokens were sampled from; None when every
+    # row's tokens are deterministic (greedy draft, n-gram lookup): q is then one-hot.
     probs: torch.Tensor | None = None
     # Per row, the draft's probability of each drafted token (for adaptive K); None if unknown.
     confidences: list[list[float]] | None = None
     # Per row, True where the drafts cost nothing to make (prompt lookup in front of a draft
     # model): the adaptive policy, which sizes the draft model's K, does not learn from them.
     free: list[bool] | None = None
+    # Draft-model forwards run for this proposal, and the seconds spent inside them.
+    forwards: int = 0
+    forward_seconds: float = 0.0
 
 
+@runtime_checkable
 class Proposer(Protocol):
+    # The draft model that `propose` runs; None when drafts cost nothing (lookup only).
+    model: Any
+    # Ids it can propose; None when they come from the sequence itself.
     vocab_size: int | None
 
-    def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None: ...
+    def fork(self) -> "Proposer": ...
 
-    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal: ...
+    def add_rows(self, prompts: list[list[int]], capacity: int, samplers: list[Sampler],
+                 generators: list[torch.Generator]) -> None: ...
+
+    def select_rows(self, rows: list[int]) -> None: ...
+
+    def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]: ...
+
+    def propose(self, sequences: list[list[int]], limits: list[int],
+                min_confidence: float | None = None) -> Proposal: ...
 
     def commit(self, sequences: list[list[int]]) -> None: ...
 
-    def select_rows(self, rows: list[int]) -> None: ...
+    def probe_seconds(self, sequences: list[list[int]]) -> float: ...
+
+
+class NoDraft:
+    """No drafting at all: plain decoding through the same engine (the fair baseline)."""
+
+    model = None
+    vocab_size = None
+
+    def fork(self) -> "NoDraft":
+        return self
+
+    def add_rows(self, prompts, capacity, samplers, generators) -> None:
+        pass
+
+    def select_rows(self, rows) -> None:
+        pass
+
+    def free_drafts(self, sequences, limits):
+        return [[] for _ in sequences], [False] * len(sequences)
+
+    def propose(self, sequences, limits, min_confidence=None) -> Proposal:
+        raise RuntimeError("NoDraft has no draft model to propose with")
+
+    def commit(self, sequences) -> None:
+        pass
+
+    def probe_seconds(self, sequences) -> float:
+        return 0.0
+
+
+def merge_drafts(lookup: list[list[int] | None], drafted: Proposal | None, device) -> Proposal:
+    """One proposal for the step: row b takes lookup[b] when it is not None, else the draft
+    model's tokens (or nothing, when the model did not run)."""
+    taken = [d or [] for d in lookup]
+    free = [d is not None for d in lookup]
+    if drafted is None:
+        return Proposal(pad(taken, device), [len(d) for d in taken], free=free)
+    width = max([drafted.tokens.shape[1]] + [len(d) for d in taken])
+    tokens = torch.zeros(len(lookup), width, dtype=torch.long, device=device)
+    tokens[:, :drafted.tokens.shape[1]] = drafted.tokens
+    lengths = list(drafted.lengths)
+    for row, draft in enumerate(lookup):
+        if draft is not None:
+            tokens[row, :len(draft)] = torch.tensor(draft, dtype=torch.long, device=device)
+            tokens[row, len(draft):] = 0
+            lengths[row] = len(draft)
+    probs = None
+    if drafted.probs is not None:  # lookup rows are deterministic: q is one-hot on their tokens
+        onehot = torch.nn.functional.one_hot(tokens, drafted.probs.shape[-1]).to(drafted.probs.dtype)
+        probs = onehot.clone()
+        probs[:, :drafted.probs.shape[1]] = drafted.probs
+        mask = torch.tensor(free, device=device)
+        probs[mask] = onehot[mask]
+    confidences = None
+    if drafted.confidences is not None:
+        confidences = [[1.0] * len(d) if f else c for f, d, c in zip(free, taken, drafted.confidences)]
+    return Proposal(tokens, lengths, probs, confidences, free, drafted.forwards, drafted.forward_seconds)

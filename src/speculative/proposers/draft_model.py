@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
-from ..sampling import probabilities, sample
+from ..models.base import pad, prefill
+from ..sampling import Sampler, row_probabilities, sample
 from .base import Proposal
 
 
@@ -16,6 +18,8 @@ class DraftModelProposer:
     The draft lags the committed sequence by one or more tokens (the target's extra token,
     and the last drafted token when all were accepted); those pending tokens are fed at
     the start of the next step, in the same forward call that drafts the first token.
+    Each row drafts with its own settings: greedy rows take the argmax, sampled rows draw
+    from q (their temperature, top-k, top-p) with their own generator.
 
     `vocab` (FR-Spec): the draft scores only these token ids, e.g. the most frequent
     tokens of a corpus (`speculative.vocab`). With a vocabulary of 152k-262k tokens the
@@ -24,33 +28,50 @@ class DraftModelProposer:
     max(0, p - q) keeps all of their probability.
     """
 
-    def __init__(self, model, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, sampling: bool = False, vocab: torch.Tensor | None = None):
+    # Tokens the draft has not seen beyond which they are read first without logits.
+    catch_up = 8
+
+    def __init__(self, model, vocab: torch.Tensor | None = None):
         self.model = model
         self.vocab_size = model.vocab_size
         self.vocab = None if vocab is None else check_vocab(vocab, model.vocab_size).to(model.device)
         self.head = None if vocab is None else model.output_head(self.vocab)
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        # In greedy mode q is never needed: draft the argmax and skip the softmax.
-        self.sampling = sampling and temperature > 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """No rows: the per-generation part of the proposer."""
         self.state = None
+        self.capacity = 0
+        self.samplers: list[Sampler] = []
         self.generators: list[torch.Generator] = []
         self._committed: list[int] = []
         self._drafted = 0
-        # Seconds inside draft forwards (the engine's overhead is what lies outside them).
-        self.forward_seconds = 0.0
-        # Forwards while drafting (each drafts one position for the whole batch).
-        self.forwards = 0
+        self._tokens: torch.Tensor | None = None
 
-    def start(self, prompts: list[list[int]], capacity: int, generators: list[torch.Generator]) -> None:
+    def fork(self) -> "DraftModelProposer":
+        twin = copy.copy(self)  # shares the model and the reduced output layer
+        twin._reset()
+        return twin
+
+    def add_rows(self, prompts: list[list[int]], capacity: int, samplers: list[Sampler],
+                 generators: list[torch.Generator]) -> None:
         # The prompts are read at the first propose: a draft the adaptive plan never runs
         # (large batches, or prompt lookup doing all the drafting) costs nothing.
-        self.state = self.model.new_state(len(prompts), capacity)
-        self.generators = list(generators)
+        self.capacity = max(self.capacity, capacity)
+        if self.state is None:
+            self.state = self.model.new_state(len(prompts), capacity)
+        else:
+            self.model.add_rows(self.state, self.model.new_state(len(prompts), 1), capacity)
+        self.samplers += list(samplers)
+        self.generators += list(generators)
 
-    reports_confidence = True
-    # Tokens the draft has not seen beyond which they are read first without logits.
-    catch_up = 8
+    def select_rows(self, rows: list[int]) -> None:
+        self.model.select_rows(self.state, rows)
+        self.samplers = [self.samplers[r] for r in rows]
+        self.generators = [self.generators[r] for r in rows]
+
+    def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
+        return [[] for _ in sequences], [False] * len(sequences)
 
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         """Draft up to limits[b] tokens for row b. With `min_confidence`, a row stops before
@@ -63,29 +84,39 @@ class DraftModelProposer:
             raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
                              f"{self.vocab_size} (a padded id the tokenizer does not have)")
         self._committed = [len(seq) for seq in sequences]
+        started = time.perf_counter()
+        forwards = self._read_apart(sequences)
+        pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
         if max(map(len, pending)) > self.catch_up:  # the prompt, or text drafted while the model sat out
             heads = [p[:-1] for p in pending]
-            self._forward(pad(heads, device), [len(h) for h in heads], keep_logits=False)
+            self._run(pad(heads, device), [len(h) for h in heads], keep_logits=False)
+            forwards += 1
             pending = [p[-1:] for p in pending]
-        logits = self._forward(pad(pending, device), [len(p) for p in pending])
+        logits = self._run(pad(pending, device), [len(p) for p in pending])
+        forwards += 1
+        seconds = time.perf_counter() - started
         rows = torch.arange(len(sequences), device=device)
-        logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V)
+        logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V) or (B, N)
+        samplers = self.samplers
+        sampling = any(not s.greedy for s in samplers)
+        draws = [not s.greedy for s in samplers]
         tokens, probs, confidences = [], [], []
         lengths = list(limits)
         for i in range(max(limits)):
             if i:
-                logits = self._forward(tokens[-1][:, None])[:, -1]
-            if self.sampling:
-                q = probabilities(logits, self.temperature, self.top_k, self.top_p)
-                drafted = sample(q, self.generators, [i < n for n in limits])
-                confidence = q.gather(1, drafted[:, None])[:, 0] if min_confidence is not None else None
+                started = time.perf_counter()
+                logits = self._run(tokens[-1][:, None])[:, -1]
+                forwards += 1
+                seconds += time.perf_counter() - started
+            if sampling:  # greedy rows get a one-hot q and draw nothing from their stream
+                q = row_probabilities(logits, samplers)
+                drafted = sample(q, self.generators, [d and i < n for d, n in zip(draws, limits)])
                 probs.append(q if self.vocab is None else scatter_vocab(q, self.vocab, self.vocab_size))
             else:
-                drafted = logits.argmax(-1)
-                confidence = logits.float().softmax(-1).amax(-1) if min_confidence is not None else None
+                q, drafted = None, logits.argmax(-1)
             tokens.append(drafted if self.vocab is None else self.vocab[drafted])
-            if confidence is not None:
-                values = confidence.tolist()
+            if min_confidence is not None:
+                values = self._confidence(logits, drafted, q, draws)
                 confidences.append(values)
                 for row, value in enumerate(values):
                     if lengths[row] == limits[row] > i and value < min_confidence:
@@ -95,7 +126,8 @@ class DraftModelProposer:
         self._drafted = len(tokens)
         self._tokens = torch.stack(tokens, 1)
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
-        return Proposal(self._tokens, lengths, torch.stack(probs, 1) if self.sampling else None, per_row)
+        return Proposal(self._tokens, lengths, torch.stack(probs, 1) if sampling else None, per_row,
+                        forwards=forwards, forward_seconds=seconds)
 
     def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
         """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`)."""
@@ -104,12 +136,31 @@ class DraftModelProposer:
         _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True)
         return self.head(hidden)
 
-    def _forward(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
-        started = time.perf_counter()
-        logits = self._run(tokens, num_valid, keep_logits)
-        self.forward_seconds += time.perf_counter() - started
-        self.forwards += 1
-        return logits
+    def _read_apart(self, sequences: list[list[int]]) -> int:
+        """Rows that joined a running batch read their prompts in a forward of their own
+        (not one padded to the whole batch), then take their places again. Returns the
+        forwards run."""
+        unread = [i for i, (n, seq) in enumerate(zip(self.state.lengths, sequences)) if n == 0 and
+                  len(seq) - 1 > self.catch_up]
+        if not unread or len(unread) == len(sequences):
+            return 0
+        others = [i for i in range(len(sequences)) if i not in set(unread)]
+        self.model.select_rows(self.state, others)
+        prompts = [sequences[i] for i in unread]
+        self.model.add_rows(self.state, prefill(self.model, prompts, max(map(len, prompts))), self.capacity)
+        place = {row: j for j, row in enumerate(others + unread)}
+        self.model.select_rows(self.state, [place[i] for i in range(len(sequences))])
+        return 1
+
+    @staticmethod
+    def _confidence(logits, drafted, q, draws) -> list[float]:
+        """The draft's probability of each row's token: q(token) for sampled rows, the
+        highest softmax probability for greedy ones."""
+        greedy = logits.float().softmax(-1).amax(-1)
+        if q is None:
+            return greedy.tolist()
+        drawn = q.gather(1, drafted[:, None])[:, 0]
+        return torch.where(torch.tensor(draws, device=logits.device), drawn, greedy).tolist()
 
     def commit(self, sequences: list[list[int]]) -> None:
         # The draft has seen the old committed prefix plus all its drafts but the last; keep
@@ -123,10 +174,10 @@ class DraftModelProposer:
             keep.append(n + same)
         self.model.rollback(self.state, keep)
 
-    def probe_seconds(self, rows: list[list[int]]) -> float:
+    def probe_seconds(self, sequences: list[list[int]]) -> float:
         """Seconds of one drafted token at this batch size (a forward, then rolled back)."""
         lengths = list(self.state.lengths)
-        tokens = torch.tensor([[row[-1]] for row in rows], device=self.model.device)
+        tokens = torch.tensor([[row[-1]] for row in sequences], device=self.model.device)
         best = float("inf")
         for _ in range(2):
             started = time.perf_counter()
@@ -136,16 +187,6 @@ class DraftModelProposer:
             best = min(best, time.perf_counter() - started)
             self.model.rollback(self.state, lengths)
         return best
-
-    def select_rows(self, rows: list[int]) -> None:
-        self.model.select_rows(self.state, rows)
-        self.generators = [self.generators[r] for r in rows]
-
-
-def pad(rows: list[list[int]], device, value: int = 0) -> torch.Tensor:
-    """Right-pad token lists into a (B, T) long tensor."""
-    width = max(1, max(map(len, rows)))
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 def check_vocab(vocab, size: int) -> torch.Tensor:

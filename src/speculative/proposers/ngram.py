@@ -7,8 +7,9 @@ long spans of the input.
 
 from __future__ import annotations
 
-import torch
+import copy
 
+from ..models.base import pad
 from .base import Proposal
 
 
@@ -36,12 +37,6 @@ class _RowIndex:
         return -1, 0
 
 
-def pad_rows(rows: list[list[int]]) -> torch.Tensor:
-    """Token lists as a (B, max(1, longest)) long tensor, right-padded with 0."""
-    width = max(1, max(map(len, rows)))
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-
-
 class NGramProposer:
     """Drafts by looking up the last n tokens (n from max_ngram down to min_ngram) in the
     row's own prompt and output, and proposing the tokens that followed the most recent
@@ -65,8 +60,17 @@ class NGramProposer:
         self.num_draft_tokens, self.min_draft = num_draft_tokens, min_draft
         self.rows: list[_RowIndex] = []
 
-    def start(self, prompts: list[list[int]], capacity: int, generators) -> None:
-        self.rows = [_RowIndex(self.min_ngram, self.max_ngram) for _ in prompts]
+    def fork(self) -> "NGramProposer":
+        twin = copy.copy(self)
+        twin.rows = []
+        return twin
+
+    def add_rows(self, prompts: list[list[int]], capacity: int = 0, samplers=None, generators=None) -> None:
+        self.rows += [_RowIndex(self.min_ngram, self.max_ngram) for _ in prompts]
+
+    def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Every row's lookup draft, always taken (there is no model to prefer)."""
+        return self.lookup(sequences, limits)[0], [True] * len(sequences)
 
     def lookup(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[int]]:
         """Per row: the drafted tokens, and the length n of the n-gram matched (0: none)."""
@@ -85,12 +89,15 @@ class NGramProposer:
             matched.append(n)
         return drafts, matched
 
-    def propose(self, sequences: list[list[int]], limits: list[int]) -> Proposal:
+    def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         drafts, _ = self.lookup(sequences, limits)
-        return Proposal(pad_rows(drafts), [len(d) for d in drafts])
+        return Proposal(pad(drafts), [len(d) for d in drafts])
 
     def commit(self, sequences: list[list[int]]) -> None:
         pass
+
+    def probe_seconds(self, sequences: list[list[int]]) -> float:
+        return 0.0
 
     def select_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
