@@ -165,6 +165,17 @@ class Plan:
     # Draft confidence below which a model row stops drafting (0 = never stop; None = the
     # draft need not report confidences, nobody learns from them).
     min_confidence: float | None = 0.0
+    # Per row, whether it takes its lookup draft when the model runs (None: the rows whose
+    # match is `preferred`). A strong draft model beats a short lookup match.
+    lookup_rows: list[bool] | None = None
+
+    def takes_lookup(self, row: int, has_lookup: bool, preferred: bool) -> bool:
+        """Whether row `row` drafts by lookup this step."""
+        if not has_lookup:
+            return False
+        if not self.use_model:
+            return True
+        return preferred if self.lookup_rows is None else self.lookup_rows[row]
 
 
 @dataclass
@@ -211,22 +222,25 @@ class AdaptivePolicy:
         e_model, e_lookup = self.model.expected(), self.lookup.expected()
         for use_model in (False, True) if model_pays else (False,):
             for width in range(1, self.max_k + 1):
-                tokens, widest, model_width, model_rows = 0.0, 0, 0, 0
+                tokens, widest, model_width, model_rows, lookup_rows = 0.0, 0, 0, 0, []
                 for length, lookup_first, cap in zip(lookup_lengths, preferred, caps):
-                    if use_model and not lookup_first:
-                        n = min(width, cap)
-                        tokens += e_model[n]
-                        model_width, model_rows = max(model_width, n), model_rows + (n > 0)
+                    by_model, by_lookup = min(width, cap), min(width, length)
+                    # A preferred lookup match drafts unless the model is expected to do better.
+                    take_lookup = not use_model or lookup_first and e_lookup[by_lookup] >= e_model[by_model]
+                    lookup_rows.append(take_lookup)
+                    if take_lookup:
+                        tokens += e_lookup[by_lookup]
+                        widest = max(widest, by_lookup)
                     else:
-                        n = min(width, length)
-                        tokens += e_lookup[n]
-                    widest = max(widest, n)
+                        tokens += e_model[by_model]
+                        model_width, model_rows = max(model_width, by_model), model_rows + (by_model > 0)
+                        widest = max(widest, by_model)
                 if widest == 0:
                     continue
                 drafting = self.model.forwards(model_width, model_rows) * costs.draft
                 rate = tokens / (costs.verify(widest + 1) + drafting)
                 if rate > best_rate:
-                    best, best_rate = Plan(width, use_model and model_width > 0), rate
+                    best, best_rate = Plan(width, use_model and model_width > 0, lookup_rows=lookup_rows), rate
         could_use_model = has_model and any(not p and c > 0 for p, c in zip(preferred, caps))
         self.model_idle_steps = self.model_idle_steps + 1 if could_use_model and not best.use_model else 0
         self.idle_steps = self.idle_steps + 1 if best.width == 0 else 0

@@ -88,7 +88,8 @@ class Engine:
     """
 
     def __init__(self, target, draft=None, config: SpeculativeConfig | None = None, max_batch_size: int = 8, *,
-                 policy: AdaptivePolicy | None = None, totals: Callable[[], DecodeStats] | None = None):
+                 policy: AdaptivePolicy | None = None, totals: Callable[[], DecodeStats] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config = as_config(config)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -97,6 +98,7 @@ class Engine:
             check_draft(draft)
         self.target = target
         self.max_batch_size = max_batch_size
+        self.clock = clock  # every timing: the stats, and what the adaptive policy learns
         self.proposer = as_proposer(draft, config).fork()
         check_compatible(target, self.proposer)
         self.fixed = FixedPolicy(config.num_draft_tokens)
@@ -188,7 +190,7 @@ class Engine:
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit, plan, draft, verify, commit, retire; returns what each request got."""
-        started = time.perf_counter()
+        started = self.clock()
         stats = DecodeStats()
         outputs: list[tuple[int, RequestOutput]] = []
         with torch.inference_mode():
@@ -205,7 +207,7 @@ class Engine:
                     policy.observe_step(len(rows), proposal, limits, accepted, verify_seconds, proposal.forwards,
                                         draft_seconds)
                 self._retire({i for i, row in enumerate(rows) if row.finished})                       # 6 retire
-        stats.total_seconds = time.perf_counter() - started
+        stats.total_seconds = self.clock() - started
         self.stats.add(stats)
         if self.totals is not None:
             with LEARNING:
@@ -233,7 +235,7 @@ class Engine:
                 joining.append(row)
         if not joining:
             return
-        started = time.perf_counter()
+        started = self.clock()
         prompts = [row.sequence for row in joining]
         capacity = max(len(p) + row.budget for p, row in zip(prompts, joining)) + self.config.num_draft_tokens + 1
         if self.state is None:
@@ -243,29 +245,37 @@ class Engine:
         self.proposer.add_rows(prompts, capacity, [row.draft_sampler for row in joining],
                                [row.draft_generator for row in joining])
         self.running += joining
-        stats.prefill_seconds += time.perf_counter() - started
+        stats.prefill_seconds += self.clock() - started
 
     def _plan(self, rows: list[Row], sequences: list[list[int]], stats: DecodeStats):
         """Per row its cap and free draft; the plan for the batch."""
         k = self.config.num_draft_tokens
         caps = [max(0, min(k, row.left - 1)) for row in rows]  # drafts a row could never use are not made
-        started = time.perf_counter()
+        started = self.clock()
         lookups, preferred = self.proposer.free_drafts(sequences, caps)
-        stats.draft_seconds += time.perf_counter() - started
+        stats.draft_seconds += self.clock() - started
         policy = self.fixed if any(row.pins_k for row in rows) else self.policy
         with LEARNING:
-            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer, k))
+            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer, k,
+                                                      self.clock))
             plan = policy.plan(len(rows), [len(d) for d in lookups], preferred, caps, self.proposer.model is not None)
         return policy, caps, lookups, preferred, plan
 
     def _draft(self, sequences, caps, lookups, preferred, plan, stats: DecodeStats):
-        """Rows take their free draft when preferred or when the model sits out; the model
-        drafts for the others. Cut to the longest row's draft (no draft at all: a plain step)."""
-        lookup = [d[:plan.width] if d and (p or not plan.use_model) else None for d, p in zip(lookups, preferred)]
+        """Rows take their free draft as the plan says (a preferred match, unless the model is
+        expected to do better; any match when the model sits out); the model drafts for the
+        others. Cut to the longest row's draft (no draft at all: a plain step)."""
+        lookup = [d[:plan.width] if plan.takes_lookup(i, bool(d), p) else None
+                  for i, (d, p) in enumerate(zip(lookups, preferred))]
         limits = [0 if d is not None or not plan.use_model else min(plan.width, cap) for d, cap in zip(lookup, caps)]
-        started = time.perf_counter()
-        drafted = self.proposer.propose(sequences, limits, plan.min_confidence) if max(limits) > 0 else None
-        draft_seconds = time.perf_counter() - started
+        started = self.clock()
+        drafted, draft_seconds = None, 0.0
+        if max(limits) > 0:
+            self.proposer.catch_up(sequences)  # apart: reading a prompt is not what drafting costs
+            caught_up = self.clock()
+            drafted = self.proposer.propose(sequences, limits, plan.min_confidence)
+            draft_seconds = self.clock() - caught_up
+            stats.draft_forward_seconds += self.clock() - started
         proposal = merge_drafts(lookup, drafted, self.target.device)
         width = max(proposal.lengths)
         if proposal.tokens.shape[1] > width:
@@ -274,20 +284,19 @@ class Engine:
                 proposal.probs = proposal.probs[:, :width]
         if proposal.confidences is not None:
             proposal.confidences = [c[:width] for c in proposal.confidences]
-        stats.draft_seconds += time.perf_counter() - started
-        stats.draft_forward_seconds += proposal.forward_seconds
+        stats.draft_seconds += self.clock() - started
         return proposal, limits, drafted is not None, draft_seconds
 
     def _verify(self, rows: list[Row], proposal, stats: DecodeStats):
         """One target forward over every row's last committed token and drafts, then each
         row's acceptance rule."""
-        started = time.perf_counter()
+        started = self.clock()
         last = torch.tensor([[row.sequence[-1]] for row in rows], device=self.target.device)
         logits = self.target.forward(torch.cat([last, proposal.tokens], 1), self.state)  # (B, K+1, V)
-        stats.target_forward_seconds += time.perf_counter() - started
+        stats.target_forward_seconds += self.clock() - started
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
-        seconds = time.perf_counter() - started
+        seconds = self.clock() - started
         stats.verify_seconds += seconds
         return accepted, extra, seconds
 

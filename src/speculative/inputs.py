@@ -15,8 +15,8 @@ from .config import MAX_SEED
 
 # What a target or draft model provides (speculative.models.base), and what a proposer does.
 MODEL_NEEDS = ("vocab_size", "max_seq_len", "device", "new_state", "forward", "rollback", "select_rows")
-PROPOSER_NEEDS = ("model", "vocab_size", "fork", "add_rows", "select_rows", "free_drafts", "propose", "commit",
-                  "probe_seconds")
+PROPOSER_NEEDS = ("model", "vocab_size", "fork", "add_rows", "select_rows", "free_drafts", "catch_up", "propose",
+                  "commit", "probe")
 # Device types we know how to check for availability.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 

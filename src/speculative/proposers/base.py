@@ -5,6 +5,9 @@ engine asks of it; the engine never inspects its type. Per step:
 
 - `free_drafts(sequences, limits)`: per row, what it drafts at no cost (prompt lookup;
   nothing for a draft model alone), and whether that draft is `preferred` to the model's.
+- `catch_up(sequences)`: before `propose`, the draft model reads what it has not seen
+  beyond its last few tokens (a prompt, or text drafted while it sat out) without logits.
+  Apart, so that this one-off work is not taken for the cost of drafting.
 - `propose(sequences, limits, min_confidence)`: up to limits[b] tokens from the draft
   `model` for row b (rows with limit 0 draft nothing); called only when `model` is not
   None. With `min_confidence`, a row stops before the first token the draft gives less
@@ -15,8 +18,9 @@ engine asks of it; the engine never inspects its type. Per step:
 Rows join with `add_rows(prompts, capacity, samplers, generators)` (the draft's sampling
 settings and random stream per row) and leave with `select_rows(rows)`. `fork()` gives a
 proposer with the same models and settings and no rows: every engine drafts with its own,
-so that generations running at once never share per-row state. `probe_seconds(sequences)`
-times one draft-model forward over these rows (0 without a model): the cost probe.
+so that generations running at once never share per-row state. `probe(sequences)` runs
+one draft-model forward over these rows and forgets it (nothing without a model): the
+engine times it, with its own clock, for the cost probe.
 """
 
 from __future__ import annotations
@@ -44,9 +48,8 @@ class Proposal:
     # Per row, True where the drafts cost nothing to make (prompt lookup in front of a draft
     # model): the adaptive policy, which sizes the draft model's K, does not learn from them.
     free: list[bool] | None = None
-    # Draft-model forwards run for this proposal, and the seconds spent inside them.
+    # Draft-model forwards run to draft this proposal (one per drafted position).
     forwards: int = 0
-    forward_seconds: float = 0.0
 
 
 @runtime_checkable
@@ -65,12 +68,14 @@ class Proposer(Protocol):
 
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]: ...
 
+    def catch_up(self, sequences: list[list[int]]) -> None: ...
+
     def propose(self, sequences: list[list[int]], limits: list[int],
                 min_confidence: float | None = None) -> Proposal: ...
 
     def commit(self, sequences: list[list[int]]) -> None: ...
 
-    def probe_seconds(self, sequences: list[list[int]]) -> float: ...
+    def probe(self, sequences: list[list[int]]) -> None: ...
 
 
 class NoDraft:
@@ -91,14 +96,17 @@ class NoDraft:
     def free_drafts(self, sequences, limits):
         return [[] for _ in sequences], [False] * len(sequences)
 
+    def catch_up(self, sequences) -> None:
+        pass
+
     def propose(self, sequences, limits, min_confidence=None) -> Proposal:
         raise RuntimeError("NoDraft has no draft model to propose with")
 
     def commit(self, sequences) -> None:
         pass
 
-    def probe_seconds(self, sequences) -> float:
-        return 0.0
+    def probe(self, sequences) -> None:
+        pass
 
 
 def merge_drafts(lookup: list[list[int] | None], drafted: Proposal | None, device) -> Proposal:
@@ -127,4 +135,4 @@ def merge_drafts(lookup: list[list[int] | None], drafted: Proposal | None, devic
     confidences = None
     if drafted.confidences is not None:
         confidences = [[1.0] * len(d) if f else c for f, d, c in zip(free, taken, drafted.confidences)]
-    return Proposal(tokens, lengths, probs, confidences, free, drafted.forwards, drafted.forward_seconds)
+    return Proposal(tokens, lengths, probs, confidences, free, drafted.forwards)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
@@ -29,7 +28,7 @@ class DraftModelProposer:
     """
 
     # Tokens the draft has not seen beyond which they are read first without logits.
-    catch_up = 8
+    catch_up_limit = 8
 
     def __init__(self, model, vocab: torch.Tensor | None = None):
         self.model = model
@@ -73,28 +72,30 @@ class DraftModelProposer:
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
         return [[] for _ in sequences], [False] * len(sequences)
 
+    def catch_up(self, sequences: list[list[int]]) -> None:
+        """Read what the draft has not seen, but its last `catch_up` tokens, without logits:
+        the prompts of rows that joined (in a forward of their own), and text drafted while
+        the model sat out."""
+        outside = [t for seq, n in zip(sequences, self.state.lengths) for t in seq[n:] if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
+                             f"{self.vocab_size} (a padded id the tokenizer does not have)")
+        self._read_apart(sequences)
+        pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
+        if max(map(len, pending)) > self.catch_up_limit:
+            heads = [p[:-1] for p in pending]
+            self._run(pad(heads, self.model.device), [len(h) for h in heads], keep_logits=False)
+
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         """Draft up to limits[b] tokens for row b. With `min_confidence`, a row stops before
         the first token the draft gives less than that probability, and drafting stops once
         every row has stopped; the confidences are then reported for the adaptive policy."""
         device = self.model.device
-        pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
-        outside = [t for p in pending for t in p if t >= self.vocab_size]
-        if outside:
-            raise ValueError(f"the target produced token id {outside[0]}, outside the draft's vocabulary of "
-                             f"{self.vocab_size} (a padded id the tokenizer does not have)")
+        self.catch_up(sequences)  # nothing left to read when the engine called it already
         self._committed = [len(seq) for seq in sequences]
-        started = time.perf_counter()
-        forwards = self._read_apart(sequences)
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
-        if max(map(len, pending)) > self.catch_up:  # the prompt, or text drafted while the model sat out
-            heads = [p[:-1] for p in pending]
-            self._run(pad(heads, device), [len(h) for h in heads], keep_logits=False)
-            forwards += 1
-            pending = [p[-1:] for p in pending]
         logits = self._run(pad(pending, device), [len(p) for p in pending])
-        forwards += 1
-        seconds = time.perf_counter() - started
+        forwards = 1
         rows = torch.arange(len(sequences), device=device)
         logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V) or (B, N)
         samplers = self.samplers
@@ -104,10 +105,8 @@ class DraftModelProposer:
         lengths = list(limits)
         for i in range(max(limits)):
             if i:
-                started = time.perf_counter()
                 logits = self._run(tokens[-1][:, None])[:, -1]
                 forwards += 1
-                seconds += time.perf_counter() - started
             if sampling:  # greedy rows get a one-hot q and draw nothing from their stream
                 q = row_probabilities(logits, samplers)
                 drafted = sample(q, self.generators, [d and i < n for d, n in zip(draws, limits)])
@@ -127,7 +126,7 @@ class DraftModelProposer:
         self._tokens = torch.stack(tokens, 1)
         per_row = [list(row) for row in zip(*confidences)] if confidences else None
         return Proposal(self._tokens, lengths, torch.stack(probs, 1) if sampling else None, per_row,
-                        forwards=forwards, forward_seconds=seconds)
+                        forwards=forwards)
 
     def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
         """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`)."""
@@ -136,21 +135,19 @@ class DraftModelProposer:
         _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True)
         return self.head(hidden)
 
-    def _read_apart(self, sequences: list[list[int]]) -> int:
+    def _read_apart(self, sequences: list[list[int]]) -> None:
         """Rows that joined a running batch read their prompts in a forward of their own
-        (not one padded to the whole batch), then take their places again. Returns the
-        forwards run."""
+        (not one padded to the whole batch), then take their places again."""
         unread = [i for i, (n, seq) in enumerate(zip(self.state.lengths, sequences)) if n == 0 and
-                  len(seq) - 1 > self.catch_up]
+                  len(seq) - 1 > self.catch_up_limit]
         if not unread or len(unread) == len(sequences):
-            return 0
+            return
         others = [i for i in range(len(sequences)) if i not in set(unread)]
         self.model.select_rows(self.state, others)
         prompts = [sequences[i] for i in unread]
         self.model.add_rows(self.state, prefill(self.model, prompts, max(map(len, prompts))), self.capacity)
         place = {row: j for j, row in enumerate(others + unread)}
         self.model.select_rows(self.state, [place[i] for i in range(len(sequences))])
-        return 1
 
     @staticmethod
     def _confidence(logits, drafted, q, draws) -> list[float]:
@@ -174,19 +171,11 @@ class DraftModelProposer:
             keep.append(n + same)
         self.model.rollback(self.state, keep)
 
-    def probe_seconds(self, sequences: list[list[int]]) -> float:
-        """Seconds of one drafted token at this batch size (a forward, then rolled back)."""
+    def probe(self, sequences: list[list[int]]) -> None:
+        """One drafting forward over these rows, then forgotten: what the cost probe times."""
         lengths = list(self.state.lengths)
-        tokens = torch.tensor([[row[-1]] for row in sequences], device=self.model.device)
-        best = float("inf")
-        for _ in range(2):
-            started = time.perf_counter()
-            self._run(tokens)
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)
-            best = min(best, time.perf_counter() - started)
-            self.model.rollback(self.state, lengths)
-        return best
+        self._run(torch.tensor([[row[-1]] for row in sequences], device=self.model.device))
+        self.model.rollback(self.state, lengths)
 
 
 def check_vocab(vocab, size: int) -> torch.Tensor:

@@ -39,11 +39,14 @@ class HybridProposer:
         drafts, matched = self.ngram.lookup(sequences, limits)
         return drafts, [n >= self.min_match for n in matched]
 
+    def catch_up(self, sequences: list[list[int]]) -> None:
+        self.drafter.catch_up(sequences)
+
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         return self.drafter.propose(sequences, limits, min_confidence)
 
     def commit(self, sequences: list[list[int]]) -> None:
         self.drafter.commit(sequences)
 
-    def probe_seconds(self, sequences: list[list[int]]) -> float:
-        return self.drafter.probe_seconds(sequences)
+    def probe(self, sequences: list[list[int]]) -> None:
+        self.drafter.probe(sequences)

@@ -89,6 +89,9 @@ class NGramProposer:
             matched.append(n)
         return drafts, matched
 
+    def catch_up(self, sequences: list[list[int]]) -> None:
+        pass
+
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         drafts, _ = self.lookup(sequences, limits)
         return Proposal(pad(drafts), [len(d) for d in drafts])
@@ -96,8 +99,8 @@ class NGramProposer:
     def commit(self, sequences: list[list[int]]) -> None:
         pass
 
-    def probe_seconds(self, sequences: list[list[int]]) -> float:
-        return 0.0
+    def probe(self, sequences: list[list[int]]) -> None:
+        pass
 
     def select_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]

@@ -1,0 +1,100 @@
+"""The adaptive policy on a fake clock: models advance it by what their forwards would
+cost, with noise and stalls, so that no assertion depends on this machine's timings."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from speculative import SpeculativeConfig
+from speculative.adaptive import AdaptivePolicy
+from speculative.engine import Engine
+from speculative.rows import SamplingParams
+from helpers import TableModel
+
+VOCAB = 32
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timed:
+    """A model whose forwards move the clock: `per_forward` plus `per_token` for each token
+    fed, times a lognormal factor, and now and then a stall ten times as long."""
+
+    def __init__(self, model, clock: Clock, per_forward: float, per_token: float, seed: int, wide: float = 0.0):
+        self.model, self.clock = model, clock
+        # Seconds per forward and per token fed, and extra seconds for any forward of more
+        # than one token (float32 on MKL: a few rows cost far more than one).
+        self.per_forward, self.per_token, self.wide = per_forward, per_token, wide
+        self.random = random.Random(seed)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, tokens, state, num_valid=None, keep_logits=True, **options):
+        noise = math.exp(self.random.gauss(0, 0.3)) * (10 if self.random.random() < 0.05 else 1)
+        tokens_fed = tokens.shape[0] * tokens.shape[1]
+        seconds = self.per_forward + self.per_token * tokens_fed + (self.wide if tokens_fed > 1 else 0.0)
+        self.clock.now += seconds * noise
+        return self.model.forward(tokens, state, num_valid, keep_logits)
+
+
+def tables(agreement_rows: int, seed: int = 0):
+    """A peaked target table and a draft table whose argmax agrees on the first
+    `agreement_rows` rows (a row is the token before)."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(VOCAB, VOCAB, generator=gen) * 4
+    draft = target.clone()
+    for row in range(agreement_rows, VOCAB):
+        draft[row] = torch.roll(draft[row], 1 + row % (VOCAB - 1))  # another argmax
+    return target, draft
+
+
+# Seconds of (target per forward, per token, extra when wide), (draft per forward, per token).
+BFLOAT16 = (0.100, 0.005, 0.0), (0.010, 0.005)  # a verify forward costs little more than one token
+FLOAT32_MKL = (0.394, 0.012, 0.230), (0.160, 0.010)  # the Qwen pair as measured: 5 tokens cost 1.75x one
+
+
+def run(agreement_rows: int, costs=BFLOAT16, prompts: int = 40, new_tokens: int = 40):
+    """Generations one after another on one policy, prompts of 200 tokens: the draft reads
+    each prompt at its first use, which costs 200 drafted tokens' worth of work."""
+    clock = Clock()
+    target_table, draft_table = tables(agreement_rows)
+    (forward, token, wide), (draft_forward, draft_token) = costs
+    target = Timed(TableModel(target_table), clock, forward, token, seed=1, wide=wide)
+    draft = Timed(TableModel(draft_table), clock, draft_forward, draft_token, seed=2)
+    config = SpeculativeConfig(num_draft_tokens=4)
+    policy = AdaptivePolicy(max_k=4)
+    gen = torch.Generator().manual_seed(3)
+    late = {"drafted": 0, "forwards": 0, "accepted": 0}
+    for number in range(prompts):
+        engine = Engine(target, draft, config, max_batch_size=1, policy=policy, clock=clock)
+        engine.add_request(torch.randint(0, VOCAB, (200,), generator=gen).tolist(), SamplingParams(new_tokens))
+        while engine.has_unfinished():
+            engine.step()
+        if number >= prompts // 2:  # after the policy has learned
+            late["drafted"] += engine.stats.drafted
+            late["accepted"] += engine.stats.accepted
+            late["forwards"] += engine.stats.target_forwards
+    return late
+
+
+@pytest.mark.parametrize("costs", [BFLOAT16, FLOAT32_MKL], ids=["cheap verify", "float32 on MKL"])
+def test_a_draft_with_high_acceptance_stays_on_under_noisy_timings(costs):
+    late = run(VOCAB - 1, costs)
+    assert late["accepted"] / late["drafted"] > 0.9  # the draft is good
+    assert late["drafted"] / late["forwards"] > 3.0  # and drafts nearly K=4 tokens every step
+
+
+@pytest.mark.parametrize("costs", [BFLOAT16, FLOAT32_MKL], ids=["cheap verify", "float32 on MKL"])
+def test_a_useless_draft_is_switched_off_under_the_same_timings(costs):
+    """The negative control: the same clock and costs, a draft that is never right."""
+    late = run(0, costs)
+    assert late["drafted"] / late["forwards"] < 0.5
