@@ -234,3 +234,9 @@ def test_cli_keeps_int8_for_drafts():
     run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "int8"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "invalid choice: 'int8'" in run.stderr
+
+
+def test_auto_keeps_small_models_in_float32_even_where_bfloat16_is_fast():
+    dtype, reason = resolve_dtype("auto", "cpu", BF16, weights=15_000_000)
+    assert dtype == torch.float32 and "too small for 16 bits to pay" in reason
+    assert resolve_dtype("auto", "cpu", BF16, weights=300_000_000)[0] == torch.bfloat16

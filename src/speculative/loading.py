@@ -70,15 +70,18 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     False to save or export it."""
     device = check_device(device)
     quantize = dtype == INT8
+    if not quantize:
+        resolve_dtype(dtype, device)  # a bad dtype is refused before anything loads
     if quantize:
         if not int8_available(device):
             raise ValueError(f"int8 drafts need PyTorch's fbgemm engine on a CPU; not available on {device}: "
                              "use --draft-dtype auto, float32 or bfloat16")
         torch_dtype, reason = torch.float32, "int8 linear layers (a draft: proposals change, output never)"
         pack = False
-    else:
-        torch_dtype, reason = resolve_dtype(dtype, device)
     path = resolve(name_or_path)
+    if not quantize:
+        weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
+        torch_dtype, reason = resolve_dtype(dtype, device, weights=weights)
     log.info("%s: %s", name_or_path, reason)
     if path.is_file():
         if path.suffix != ".gguf":

@@ -46,8 +46,15 @@ def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> 
     return bool(wanted & features)
 
 
-def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
-    """(torch dtype, the reason for it) for a name in CHOICES or a torch.dtype.
+# Weights below which `auto` keeps float32 on CPUs: a forward that small is bound by
+# per-operation overhead, not by reading weights, so 16 bits would gain nothing.
+SMALL_FOR_16_BITS = 100_000_000
+
+
+def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
+                  weights: int | None = None) -> tuple[torch.dtype, str]:
+    """(torch dtype, the reason for it) for a name in CHOICES or a torch.dtype; `weights`
+    (the model's matrix weights, when known) keeps small models in float32 on CPUs.
 
     Raises ValueError for other dtypes, and for float16 on a CPU without native float16
     arithmetic (it would run emulated, slower than float32)."""
@@ -74,6 +81,9 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None) -
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: bfloat16, which this GPU supports"
         return torch.float16, "auto: float16 (this GPU has no bfloat16)"
+    if cpu and weights is not None and weights < SMALL_FOR_16_BITS:
+        return torch.float32, (f"auto: float32, since a model of {weights / 1e6:.1f}M weights is too small for "
+                               "16 bits to pay on a CPU")
     if cpu and cpu_has_fast(torch.bfloat16, features):
         return torch.bfloat16, f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively"
     if cpu:
