@@ -79,6 +79,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         torch_dtype, reason = torch.float32, "int8 linear layers (a draft: proposals change, output never)"
         pack = False
     path = resolve(name_or_path)
+    if path.is_dir():
+        config = _checked_directory(path)
     if not quantize:
         weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
         torch_dtype, reason = resolve_dtype(dtype, device, weights=weights)
@@ -88,12 +90,6 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
             raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
         model = _load_gguf(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
     else:
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
-        config = read_config(config_path)
-        for weights in sorted(path.glob("*.safetensors")):
-            check_safetensors(weights)
         if config.get("model_type") in MODEL_TYPES:
             model = _load_builtin(path, config, device, torch_dtype)
             _prepare(model, name_or_path, pack, quantize)
@@ -104,6 +100,17 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
             prepare = lambda m: _prepare(m, name_or_path, pack, quantize)  # noqa: E731
             model = _load_transformers(path, device, torch_dtype, prepare)
     return model
+
+
+def _checked_directory(path: Path) -> dict:
+    """A model directory's config, after its config and weight files are checked."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{path} holds no config.json: not a model directory")
+    config = read_config(config_path)
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
+    return config
 
 
 def _load_builtin(path: Path, config: dict, device, dtype):
@@ -158,7 +165,8 @@ def matrix_weights(path: Path) -> int:
     if path.is_file():
         return SMALL_MODEL
     total = 0
-    for file in path.glob("*.safetensors"):
+    for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file)  # a corrupt file is named, not left to a reader's error
         with safe_open(str(file), "pt") as weights:
             for name in weights.keys():
                 shape = weights.get_slice(name).get_shape()
