@@ -16,7 +16,8 @@ Plus `divergence`: how often greedy speculative output leaves the same-dtype
 autoregressive output, and whether every such place is a near-tie (precision.py).
 
 Workload: 3 held-out code-completion prompts and 2 free-form chat prompts, 128 new tokens
-(a chat answer may end earlier at the end-of-turn token), 2 rounds.
+(a chat answer may end earlier at the end-of-turn token), 2 rounds for float32 and 1 for
+the transformers and bfloat16 parts.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def part_transformers(log=print) -> dict:
                       hf_generate(plain_target, {"assistant_model": plain_draft.model, "num_assistant_tokens": 5,
                                                  "num_assistant_tokens_schedule": "heuristic",
                                                  "assistant_confidence_threshold": 0.0}))]
-    report = run_methods(methods, ids, MAX_NEW, RUNS, eos, log)
+    report = run_methods(methods, ids, MAX_NEW, 1, eos, log)  # one round: slow, and far apart
     return finish(report, "Qwen2.5-Coder 1.5B: transformers' own generate on the plain float32 model (what a user "
                           "gets today) against our plain float32 decoding", ids)
 
@@ -105,7 +106,7 @@ def part_bfloat16(log=print) -> dict:
         speculative_method("draft-int8 K=4", target, int8, config(4)),
         speculative_method("draft-int8+lookup adaptive (K<=6)", target, int8, config(6, adaptive=True, lookup=True)),
     ]
-    report = run_methods(methods, ids, MAX_NEW, RUNS, eos, log)
+    report = run_methods(methods, ids, MAX_NEW, 1, eos, log)  # one round: a session's time
     return finish(report, "Qwen2.5-Coder 1.5B + 0.5B, bfloat16 target, 3 code + 2 chat prompts, 128 new tokens "
                           "(identical: to our bfloat16 plain decoding)", ids)
 
