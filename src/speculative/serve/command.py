@@ -61,7 +61,13 @@ def add_serve(sub) -> None:
 def check_installed() -> None:
     import importlib.util
 
-    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ImportError:
+            return True
+
+    missing = [name for name in NEEDS if absent(name)]
     if missing:
         raise ValueError(f"speculative serve needs {', '.join(missing)}, which is not installed: "
                          "pip install 'speculative[serve]'")
