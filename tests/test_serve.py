@@ -486,3 +486,33 @@ def test_sigterm_while_streaming():
             httpx.get(f"{server.url}/health", timeout=5)
     finally:
         assert server.stop() == 0, server.output()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--draft", "none", "--ngram-max", "3"], ["--ngram-min/--ngram-max", "none"]),
+    (["--max-body-bytes", "10"], ["--max-body-bytes", "1024"]),
+    (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "not a file"]),
+    (["--max-batch-size", "0"], ["--max-batch-size", ">= 1"]),
+])
+def test_bad_options_are_one_line(args, words, capsys):
+    from speculative.cli import main
+
+    assert main(["serve", *args]) == 2
+    line = capsys.readouterr().err
+    assert len(line.splitlines()) == 1 and all(w in line for w in words), line
+
+
+def test_missing_extra_is_named():
+    """Without fastapi (hidden from a real process), the command says which extra to install."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "blocker") + os.pathsep
+           + os.environ.get("PYTHONPATH", ""), "SPECULATIVE_TEST_BLOCK": "fastapi"}
+    result = subprocess.run([sys.executable, "-m", "speculative.cli", "serve"], capture_output=True, env=env,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == ("error: speculative serve needs fastapi, which is not installed: "
+                                              "pip install 'speculative[serve]'")
