@@ -51,7 +51,8 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_healthy(self, deadline: float = 90.0) -> "Server":
+    # Deadlines are generous: they stop a hang, and a shared machine can be slow to start a process.
+    def wait_healthy(self, deadline: float = 300.0) -> "Server":
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             if self.process.poll() is not None:

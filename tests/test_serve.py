@@ -430,9 +430,9 @@ def test_disconnect_mid_stream_aborts_the_request(spec):
             chunks = Chunks(response)
             assert len(chunks.take(3)) == 3
             assert spec.metrics()["speculative_num_requests_running"] == 1
-    assert spec.wait_metric("speculative_num_requests_running", 0) == 0
+    assert spec.wait_metric("speculative_num_requests_running", 0, deadline=60) == 0
     aborted = 'speculative_requests_total{finish_reason="abort"}'
-    assert spec.wait_metric(aborted, before[aborted] + 1) == before[aborted] + 1
+    assert spec.wait_metric(aborted, before[aborted] + 1, deadline=60) == before[aborted] + 1
     generated = spec.metrics()["speculative_generation_tokens_total"]
     assert generated - before["speculative_generation_tokens_total"] < 400
     normal_request_works(spec)
@@ -454,7 +454,7 @@ def test_full_queue_is_refused(plain):
                                                         json={**GOOD, "prompt": PROMPTS[2], "max_tokens": 3})
             waiter = threading.Thread(target=wait_in_line)
             waiter.start()
-            assert plain.wait_metric("speculative_num_requests_waiting", 1) == 1
+            assert plain.wait_metric("speculative_num_requests_waiting", 1, deadline=60) == 1
             with pytest.raises(openai.InternalServerError) as caught:
                 client(plain).completions.create(model=MODEL, prompt="x", max_tokens=3)
             assert caught.value.status_code == 503 and caught.value.body["code"] == "queue_full"
@@ -468,8 +468,9 @@ def test_full_queue_is_refused(plain):
 def test_sigterm_while_streaming():
     """SIGTERM: the port closes to new clients, the running stream is aborted after the grace
     period with a final chunk and [DONE], and the process exits 0."""
-    server = Server("--draft", "ngram", "--shutdown-grace", "0").wait_healthy()
+    server = Server("--draft", "ngram", "--shutdown-grace", "0")
     try:
+        server.wait_healthy()
         body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:

@@ -110,7 +110,8 @@ class EngineLoop:
     # --- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished() and self.deadline is None
+            stalled = self.failed is not None or not self.engine.has_unfinished()
+            idle = stalled and self.deadline is None
             commands = [self.commands.get()] if idle else []  # nothing to do: wait for a command
             while True:
                 try:
@@ -211,7 +212,8 @@ class EngineLoop:
         except (ValueError, TypeError) as error:
             for request_id in added:
                 self.engine.abort(request_id)
-            param = "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt"
+            param = "stop_token_ids" if "stop_token_ids" in str(error) else (
+                "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt")
             return self._send(job, Event("error", error=APIError(400, str(error), param)))
         for index, (request_id, prompt) in enumerate(zip(job.request_ids, job.prompts)):
             self.tracked[request_id] = Tracked(job, index, TextStream(self.decode, job.stops), len(prompt))
