@@ -19,6 +19,9 @@ from pathlib import Path
 import httpx
 
 KEY = "sk-test-key"
+# Seconds any one HTTP call may take: a guard against a hang, not a timing (a shared machine
+# running benchmarks can slow these processes down a hundredfold).
+TIMEOUT = 300
 # A minimal chat template for the shipped tokenizer, which has none of its own.
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -75,12 +78,12 @@ class Server:
         """A raw POST (for what the openai client cannot send); `body` bytes go as they are."""
         headers = {**self.headers(), "Content-Type": "application/json", **kwargs.pop("headers", {})}
         if isinstance(body, (bytes, str)):
-            return httpx.post(self.url + path, content=body, headers=headers, timeout=60, **kwargs)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kwargs)
+            return httpx.post(self.url + path, content=body, headers=headers, timeout=TIMEOUT, **kwargs)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=TIMEOUT, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """The Prometheus samples, by name with labels."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT).text
         samples = {}
         for line in text.splitlines():
             match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
@@ -88,7 +91,7 @@ class Server:
                 samples[match.group(1)] = float(match.group(2))
         return samples
 
-    def wait_metric(self, name: str, value: float, deadline: float = 10.0) -> float:
+    def wait_metric(self, name: str, value: float, deadline: float = TIMEOUT) -> float:
         end = time.monotonic() + deadline
         while True:
             seen = self.metrics().get(name)

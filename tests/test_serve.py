@@ -23,7 +23,7 @@ from speculative import Engine, SamplingParams, SpeculativeConfig, autoregressiv
 from speculative.loading import ASSETS, load_draft
 from speculative.proposers import as_proposer
 from speculative.serve.text_stream import TextStream
-from serving import KEY, Server, chat_text
+from serving import KEY, TIMEOUT, Server, chat_text
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")
@@ -99,11 +99,11 @@ def reference(target, tokenizer):
 
 
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.key or "none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.key or "none", max_retries=0, timeout=TIMEOUT)
 
 
 def async_client(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key or "none", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key or "none", max_retries=0, timeout=TIMEOUT)
 
 
 def text_of(tokenizer, tokens: list[int]) -> str:
@@ -259,7 +259,7 @@ def test_stop_token_ids(spec, tokenizer, reference):
 
 def test_models_and_health(spec):
     assert [m.id for m in client(spec).models.list().data] == [MODEL]
-    assert httpx.get(f"{spec.url}/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{spec.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
 def test_32_concurrent_streams(spec, tokenizer, reference):
@@ -284,7 +284,7 @@ def test_32_concurrent_streams(spec, tokenizer, reference):
 
     async def run_all():
         async with async_client(spec) as api:
-            return await asyncio.wait_for(asyncio.gather(*(one(api, p, b) for p, b in jobs)), 120)
+            return await asyncio.wait_for(asyncio.gather(*(one(api, p, b) for p, b in jobs)), 600)
 
     results = asyncio.run(run_all())
     for (prompt, budget), (tokens, text, usage, finish) in zip(jobs, results):
@@ -390,8 +390,8 @@ def test_auth_routes_and_size_limits(spec):
         openai.OpenAI(base_url=f"{spec.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
     assert error_of(spec.post("/v1/completions", GOOD, headers={"Authorization": ""}), 401)["code"] == \
         "invalid_api_key"
-    assert error_of(httpx.get(f"{spec.url}/v1/nothing-here", timeout=10), 404)["code"] == "not_found"
-    error_of(httpx.get(f"{spec.url}/v1/completions", headers=spec.headers(), timeout=10), 405)
+    assert error_of(httpx.get(f"{spec.url}/v1/nothing-here", timeout=TIMEOUT), 404)["code"] == "not_found"
+    error_of(httpx.get(f"{spec.url}/v1/completions", headers=spec.headers(), timeout=TIMEOUT), 405)
     big = json.dumps({**GOOD, "prompt": "x" * (2 << 20)}).encode()
     assert error_of(spec.post("/v1/completions", big), 413)["code"] == "request_too_large"
     with pytest.raises(openai.BadRequestError) as caught:  # the client's own exception for a 400
@@ -424,15 +424,15 @@ def test_disconnect_mid_stream_aborts_the_request(spec):
     request counted as aborted) and generation stops."""
     before = spec.metrics()
     body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=TIMEOUT) as http:
         with http.stream("POST", f"{spec.url}/v1/completions", json=body, headers=spec.headers()) as response:
             assert response.status_code == 200
             chunks = Chunks(response)
             assert len(chunks.take(3)) == 3
             assert spec.metrics()["speculative_num_requests_running"] == 1
-    assert spec.wait_metric("speculative_num_requests_running", 0, deadline=60) == 0
+    assert spec.wait_metric("speculative_num_requests_running", 0, deadline=TIMEOUT) == 0
     aborted = 'speculative_requests_total{finish_reason="abort"}'
-    assert spec.wait_metric(aborted, before[aborted] + 1, deadline=60) == before[aborted] + 1
+    assert spec.wait_metric(aborted, before[aborted] + 1, deadline=TIMEOUT) == before[aborted] + 1
     generated = spec.metrics()["speculative_generation_tokens_total"]
     assert generated - before["speculative_generation_tokens_total"] < 400
     normal_request_works(spec)
@@ -443,18 +443,18 @@ def test_full_queue_is_refused(plain):
     """One row and one waiting place: a third request gets 503 in OpenAI's schema; the others
     are served, and so is the next one."""
     body = {**GOOD, "prompt": PROMPTS[1], "max_tokens": 400, "stream": True}
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=TIMEOUT) as http:
         with http.stream("POST", f"{plain.url}/v1/completions", json=body) as running:
             chunks = Chunks(running)
             assert chunks.take(1)
             waiting_result = {}
 
             def wait_in_line():
-                waiting_result["response"] = httpx.post(f"{plain.url}/v1/completions", timeout=30,
+                waiting_result["response"] = httpx.post(f"{plain.url}/v1/completions", timeout=TIMEOUT,
                                                         json={**GOOD, "prompt": PROMPTS[2], "max_tokens": 3})
             waiter = threading.Thread(target=wait_in_line)
             waiter.start()
-            assert plain.wait_metric("speculative_num_requests_waiting", 1, deadline=60) == 1
+            assert plain.wait_metric("speculative_num_requests_waiting", 1, deadline=TIMEOUT) == 1
             with pytest.raises(openai.InternalServerError) as caught:
                 client(plain).completions.create(model=MODEL, prompt="x", max_tokens=3)
             assert caught.value.status_code == 503 and caught.value.body["code"] == "queue_full"
@@ -472,7 +472,7 @@ def test_sigterm_while_streaming():
     try:
         server.wait_healthy()
         body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=TIMEOUT) as http:
             with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
                 stream = Chunks(response)
                 chunks = stream.take(2)
@@ -513,7 +513,7 @@ def test_missing_extra_is_named():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "blocker") + os.pathsep
            + os.environ.get("PYTHONPATH", ""), "SPECULATIVE_TEST_BLOCK": "fastapi"}
     result = subprocess.run([sys.executable, "-m", "speculative.cli", "serve"], capture_output=True, env=env,
-                            timeout=120)
+                            timeout=TIMEOUT)
     assert result.returncode == 2
     assert result.stderr.decode().strip() == ("error: speculative serve needs fastapi, which is not installed: "
                                               "pip install 'speculative[serve]'")

@@ -12,6 +12,8 @@ from speculative.serve.engine_loop import EngineLoop, Job
 from speculative.serve.metrics import Metrics
 from helpers import tiny
 
+WAIT = 300  # seconds for any one event: a guard against a hang, not a timing
+
 
 def decode(ids: list[int]) -> str:
     return "".join(f"<{t}>" for t in ids)
@@ -32,13 +34,13 @@ def submit(loop: EngineLoop, name: str, prompts, params: SamplingParams, stops=(
 
 def collect(events: queue.Queue, count: int = 1) -> dict:
     """Until `count` prompts finished: per prompt its tokens, text and finish reason."""
-    first = events.get(timeout=60)
+    first = events.get(timeout=WAIT)
     if first.kind == "error":
         return {"error": first.error}
     assert first.kind == "admitted"
     out = {i: {"tokens": [], "text": "", "finish": None} for i in range(count)}
     while any(o["finish"] is None for o in out.values()):
-        event = events.get(timeout=60)
+        event = events.get(timeout=WAIT)
         assert event.kind == "output"
         out[event.index]["tokens"] += event.token_ids
         out[event.index]["text"] += event.text
@@ -75,12 +77,12 @@ def test_stop_string_cuts_the_text_and_ends_the_request():
 def test_capacity_and_bad_requests_are_refused_without_disturbing_others():
     model, loop = start(max_batch_size=1, max_waiting=0)
     try:
-        bad = submit(loop, "b", [[1, 999]], SamplingParams(5)).get(timeout=60).error
+        bad = submit(loop, "b", [[1, 999]], SamplingParams(5)).get(timeout=WAIT).error
         assert bad.status == 400 and "outside the vocabulary" in bad.message and bad.param == "prompt"
         running = submit(loop, "r", [[1, 2]], SamplingParams(30))
         refused = submit(loop, "q", [[3, 4]], SamplingParams(5))
-        assert running.get(timeout=60).kind == "admitted"
-        error = refused.get(timeout=60).error
+        assert running.get(timeout=WAIT).kind == "admitted"
+        error = refused.get(timeout=WAIT).error
         assert (error.status, error.code) == (503, "queue_full")
         assert collect_after_admitted(running)["tokens"] == autoregressive_generate(model, [1, 2], 30)
     finally:
@@ -90,7 +92,7 @@ def test_capacity_and_bad_requests_are_refused_without_disturbing_others():
 def collect_after_admitted(events: queue.Queue) -> dict:
     out = {"tokens": [], "finish": None}
     while out["finish"] is None:
-        event = events.get(timeout=60)
+        event = events.get(timeout=WAIT)
         out["tokens"] += event.token_ids
         out["finish"] = event.finish_reason
     return out
@@ -103,11 +105,11 @@ def test_a_failing_engine_answers_500_then_503():
             raise RuntimeError("out of memory (injected)")
         loop.engine.step = broken
         events = submit(loop, "f", [[1, 2]], SamplingParams(5))
-        assert events.get(timeout=60).kind == "admitted"
-        error = events.get(timeout=60).error
+        assert events.get(timeout=WAIT).kind == "admitted"
+        error = events.get(timeout=WAIT).error
         assert error.status == 500 and "out of memory (injected)" in error.message
         assert not loop.alive
-        error = submit(loop, "g", [[1, 2]], SamplingParams(5)).get(timeout=60).error
+        error = submit(loop, "g", [[1, 2]], SamplingParams(5)).get(timeout=WAIT).error
         assert error.status == 503 and "engine failed" in error.message
     finally:
         loop.stop()
@@ -125,10 +127,10 @@ def test_drain_aborts_what_runs_with_a_final_event():
             return step()
         loop.engine.step = slow_step
         events = submit(loop, "d", [[1, 2]], SamplingParams(200))
-        assert events.get(timeout=60).kind == "admitted"
+        assert events.get(timeout=WAIT).kind == "admitted"
         loop.drain(0.0)
         got = collect_after_admitted(events)
         assert got["finish"] == "abort" and len(got["tokens"]) < 200
-        assert submit(loop, "late", [[1]], SamplingParams(2)).get(timeout=60).error.status == 503
+        assert submit(loop, "late", [[1]], SamplingParams(2)).get(timeout=WAIT).error.status == 503
     finally:
         loop.stop()
