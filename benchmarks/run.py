@@ -3,6 +3,7 @@
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
     python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, ...
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
+    python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -29,6 +30,7 @@ from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
 import qwen
+import serve_bench
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -162,12 +164,38 @@ def section_engine(smoke: bool = False):
     save("engine-smoke" if smoke else "engine", report)
 
 
+def section_serve(smoke: bool = False):
+    """`speculative serve` under N concurrent openai clients, against the same server without a
+    draft (benchmarks/serve_bench.py): the shipped pair on code completion, and Gemma 3 270M
+    with n-gram drafts on grounded prompts."""
+    clients, requests, max_new, runs = ((1, 4), 8, 32, 1) if smoke else ((1, 4, 16), 32, 128, 3)
+    threads = torch.get_num_threads()
+    tokenizer = load_tokenizer("default")
+    settings = [({"name": "shipped pair (default-draft+ngram), code completion", "target": "default",
+                  "draft": "default-draft+ngram"}, prompts("code_completion.jsonl", tokenizer,
+                                                           max_tokens=512 - max_new - 9))]
+    if not smoke:
+        gemma = load_tokenizer("gemma-3-270m")
+        settings.append(({"name": "Gemma 3 270M (ngram), grounded prompts", "target": "gemma-3-270m",
+                          "draft": "ngram"}, prompts("grounded_editing.jsonl", gemma)))
+    report = {"settings": {}}
+    for setting, ids in settings:
+        report["settings"][setting["name"]] = serve_bench.compare(setting, ids, clients, requests, max_new, runs,
+                                                                  threads)
+    report.update(title=(f"speculative serve: {requests} greedy streaming requests of {max_new} new tokens from N "
+                         f"concurrent openai clients, batch up to 16, {threads} torch threads"),
+                  machine=machine(), date=time.strftime("%Y-%m-%d"), runs=runs, smoke=smoke,
+                  peers="`transformers serve` is not compared: it is not run here (see the issue note).")
+    save("serve-smoke" if smoke else "serve", report)
+
+
 SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section_gemma, "mixed": section_mixed,
             "batch": section_batch, "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
-            "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True)}
+            "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
+            "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 
@@ -213,6 +241,9 @@ def render() -> str:
     path = RESULTS / "engine.json"
     if path.is_file():
         parts += render_engine(json.loads(path.read_text()))
+    path = RESULTS / "serve.json"
+    if path.is_file():
+        parts += serve_bench.render(json.loads(path.read_text()))
     return "\n".join(parts)
 
 

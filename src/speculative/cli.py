@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="say how models are loaded (dtype and why, "
                         "layers), and print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_bench, add_train, add_export):
+    from .serve.command import add_serve
+
+    for add in (add_generate, add_serve, add_bench, add_train, add_export):
         add(sub)
     for command in sub.choices.values():  # --verbose also after the command's name
         command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,

@@ -18,6 +18,8 @@ class TextTokenizer:
             eos = backend.eos_token_id if self.is_hf else backend.token_to_id("<|endoftext|>")
             eos_token_ids = [] if eos is None else [eos]
         self.eos_token_ids = list(eos_token_ids)
+        # A Jinja chat template that replaces the tokenizer's own (None: its own, if any).
+        self.chat_template: str | None = None
 
     def __len__(self) -> int:
         return len(self.backend) if self.is_hf else self.backend.get_vocab_size()
@@ -35,13 +37,28 @@ class TextTokenizer:
     def vocab(self) -> dict[str, int]:
         return self.backend.get_vocab()
 
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None or (self.is_hf and bool(getattr(self.backend, "chat_template", None)))
+
     def chat(self, text: str) -> list[int]:
         """The prompt as one user turn of the tokenizer's chat template."""
-        if not self.is_hf or not getattr(self.backend, "chat_template", None):
+        if not self.has_chat_template():
             raise ValueError(f"tokenizer {self.name} has no chat template; drop --chat to use the text as it is")
-        ids = self.backend.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.chat_messages([{"role": "user", "content": text}])
+
+    def chat_messages(self, messages: list[dict]) -> list[int]:
+        """Chat turns ({"role", "content"}) through the chat template (`chat_template` when
+        set, else the tokenizer's own), ending where the assistant's answer begins."""
+        if not self.has_chat_template():
+            raise ValueError(f"tokenizer {self.name} has no chat template")
+        if self.is_hf:
+            ids = self.backend.apply_chat_template(messages, chat_template=self.chat_template,
+                                                   add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
+
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        return self.encode(template.render(messages=messages, add_generation_prompt=True))
 
 
 def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:

@@ -1,0 +1,192 @@
+"""`speculative serve`: its options, and running uvicorn with a graceful SIGTERM.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections and new requests, gives
+what runs `--shutdown-grace` seconds to finish, aborts the rest (each stream still gets
+its final chunk and `[DONE]`), and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ..cli_checks import integer, number
+
+NEEDS = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def add_serve(sub) -> None:
+    from ..cli import add_precision
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the step engine",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+                                   "(Prometheus) with continuous batching and speculative decoding. Greedy "
+                                   "requests get exactly the target's own greedy tokens. Needs the serve extra: "
+                                   "pip install 'speculative[serve]'.")
+    p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
+                   "preset (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d', 'ngram' (prompt "
+                   "lookup), a model followed by '+ngram', or 'none' (plain decoding). Default: "
+                   "default-draft+ngram for the shipped target, ngram otherwise")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=integer(1), default=8000, help="port (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=integer(1), default=8, help="requests decoded together "
+                   "(default: %(default)s)")
+    p.add_argument("--max-waiting", type=integer(0), default=64, help="requests that may wait for a row; more "
+                   "are refused with 503 (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for a tokenizer without "
+                   "one (or to replace its own)")
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
+                   "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
+    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
+    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature for sampled "
+                   "requests; changes speed only (default: %(default)s)")
+    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
+    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--max-body-bytes", type=integer(1), default=1 << 20, help="larger request bodies are refused "
+                   "with 413 (default: %(default)s)")
+    p.add_argument("--shutdown-grace", type=number(0), default=30.0, help="seconds running requests get to finish "
+                   "after SIGTERM before they are aborted (default: %(default)s)")
+    add_precision(p)
+    p.set_defaults(run=run_serve)
+
+
+def check_installed() -> None:
+    import importlib.util
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ImportError:
+            return True
+
+    missing = [name for name in NEEDS if absent(name)]
+    if missing:
+        raise ValueError(f"speculative serve needs {', '.join(missing)}, which is not installed: "
+                         "pip install 'speculative[serve]'")
+
+
+def build_engine(args):
+    """The target, its tokenizer and the engine the options ask for (options checked first)."""
+    import torch
+
+    from .. import Engine, SpeculativeConfig, load_model, load_tokenizer
+    from ..cli import draft_vocab, make_draft, ngram_sizes
+    from ..inputs import check_device, check_draft_width
+    from ..loading import PARTNERS
+    from ..proposers import as_proposer
+
+    device = check_device(args.device, "--device")
+    draft_name = args.draft or PARTNERS.get(args.target, "ngram")
+    plain = draft_name == "none"
+    ngram_sizes(args, draft_name)
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = 10 if draft_name == "ngram" else 4
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"--chat-template {path} is not a file; give a Jinja template file")
+        template = path.read_text(encoding="utf-8")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, draft_temperature=args.draft_temperature,
+                               adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"),
+                               min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+    target = load_model(args.target, device=device, dtype=args.dtype)
+    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
+    tokenizer.chat_template = template or tokenizer.chat_template
+    draft = None if plain else make_draft(draft_name, device, args)
+    models = [target] + ([draft] if hasattr(draft, "max_seq_len") else [])
+    for model, role in zip(models, ("target", "draft")):
+        check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
+    if draft is not None:
+        vocab = None if draft_name == "ngram" else draft_vocab(args, tokenizer)
+        draft = as_proposer(draft, config, vocab)
+    engine = Engine(target, draft, config, max_batch_size=args.max_batch_size)
+    limits = [m.max_seq_len for m in models if m.max_seq_len]
+    return engine, tokenizer, min(limits) if limits else None
+
+
+def warm_up(engine, tokenizer) -> None:
+    """One short request before the port opens: the first client does not pay for first calls
+    and the adaptive policy's cost measurement."""
+    from ..rows import SamplingParams
+
+    prompt = tokenizer.encode("def main():\n    return") or [0]
+    engine.add_request(prompt, SamplingParams(max_new_tokens=8), "warm-up")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_serve(args) -> int:
+    check_installed()
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    import uvicorn
+
+    from .app import Settings, create_app
+    from .engine_loop import EngineLoop
+    from .metrics import Metrics
+
+    engine, tokenizer, context = build_engine(args)
+    warm_up(engine, tokenizer)
+    loop = EngineLoop(engine, tokenizer.decode, Metrics(), args.max_waiting)
+    settings = Settings(args.served_model_name or args.target, context, args.api_key, args.max_body_bytes,
+                        tuple(tokenizer.eos_token_ids))
+    app = create_app(loop, tokenizer, settings)
+    logging.getLogger("speculative.serve").setLevel(logging.INFO)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_grace + 30),
+                            on_exit=lambda: loop.drain(args.shutdown_grace))
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port} (draft: {args.draft or 'default'}, "
+          f"batch {args.max_batch_size}, waiting {args.max_waiting})", file=sys.stderr, flush=True)
+    server.run()
+    if server.started is False:
+        raise OSError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        """uvicorn's server, with SIGTERM as a drain (see the module docstring) and exit status 0
+        (uvicorn re-raises the signal after shutting down, which would kill the process)."""
+
+        def __init__(self, config, on_exit):
+            super().__init__(config)
+            self.on_exit = on_exit
+            self.signalled_at = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.signalled_at is None:
+                self.signalled_at = time.monotonic()
+                self.on_exit()
+            super().handle_exit(sig, frame)
+
+        def capture_signals(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def captured():
+                handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in handlers.items():
+                        signal.signal(sig, handler)
+            return captured()
+
+    return Graceful
+
+
+def GracefulServer(config, on_exit):  # noqa: N802 (a class made on first use: uvicorn is an optional extra)
+    return _server_class()(config, on_exit)

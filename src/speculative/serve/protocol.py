@@ -1,0 +1,226 @@
+"""The OpenAI request bodies this server takes, checked field by field.
+
+A body is parsed from JSON by hand rather than by pydantic models: every refusal is an
+`APIError` with OpenAI's status, type and `param` (the field at fault), and a message that
+says what was wrong and what is allowed. Fields OpenAI defines but this server does not
+implement (n > 1, echo, logprobs, penalties, ...) are refused when they ask for something,
+never silently ignored; unknown fields are refused as OpenAI refuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from ..rows import SEED_RANGE
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",
+               500: "server_error"}
+# Fields OpenAI defines that this server takes only at their "off" value.
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
+               "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
+          "stream_options", "user", "return_token_ids", *UNSUPPORTED}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON - {"best_of", "echo", "suffix"} | {"messages", "max_completion_tokens"}
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOPS = 16
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass
+class GenerationRequest:
+    """A checked completion or chat request; `prompts` are text or token ids (completions),
+    `messages` the chat turns."""
+
+    model: str
+    prompts: list | None = None
+    messages: list[dict] | None = None
+    # None: what the context leaves (chat only; completions default to 16 as OpenAI's do).
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        detail = f": {error.msg} at line {error.lineno} column {error.colno}" if isinstance(
+            error, json.JSONDecodeError) else ": not UTF-8"
+        raise invalid(None, f"the request body is not valid JSON{detail}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(body: dict, name: str, low: int, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low:
+        raise invalid(name, f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, default, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or value > high or value < low or (low_open and value == low):
+        bound = f"{low:g} < {name}" if low_open else f"{low:g} <= {name}"
+        raise invalid(name, f"{name} must be a number with {bound} <= {high:g}, got {value!r}")
+    return float(value)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _common(body: dict, fields: set[str], served: str) -> dict:
+    """The fields completions and chat share."""
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise invalid(unknown[0], f"unrecognized request argument supplied: {unknown[0]}; allowed: "
+                      f"{', '.join(sorted(fields))}", "unrecognized_argument")
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        off_too = (name == "logprobs" and value is False) or (name == "logit_bias" and value == {})
+        if name in fields and value is not None and value != off and not off_too:
+            raise invalid(name, f"{name}={json.dumps(value)} is not supported by this server; allowed: "
+                          f"{json.dumps(off)} (or leave it out)", "unsupported")
+    model = body.get("model")
+    if model is None:
+        raise invalid("model", "model is missing: give the served model's name", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise invalid("model", f"model must be a string, got {model!r}")
+    if model != served:
+        raise invalid("model", f"the model {model!r} does not exist: this server serves {served!r}", "model_not_found")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < -1):
+        raise invalid("top_k", f"top_k must be an integer >= 1, or -1 or 0 for no limit, got {top_k!r}")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise invalid("seed", f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed!r}")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("stream_options", f"stream_options must be an object with include_usage only, got "
+                          f"{json.dumps(options)}")
+    include_usage = _flag(options or {}, "include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise invalid("user", f"user must be a string, got {body['user']!r}")
+    top_p = _number(body, "top_p", 0, 1, None, low_open=True)
+    return dict(model=model, temperature=_number(body, "temperature", 0, 2, 1.0),
+                top_p=None if top_p == 1 else top_p, top_k=top_k if top_k and top_k > 0 else None,
+                seed=seed, stop=_stops(body.get("stop")), stop_token_ids=_stop_ids(body.get("stop_token_ids")),
+                stream=stream, include_usage=include_usage, return_token_ids=_flag(body, "return_token_ids"))
+
+
+def _stops(value) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise invalid("stop", f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, "
+                      f"got {json.dumps(value)}")
+    return tuple(stops)
+
+
+def _stop_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise invalid("stop_token_ids", f"stop_token_ids must be a list of token ids (integers >= 0), got "
+                      f"{json.dumps(value)}")
+    return tuple(value)
+
+
+def parse_completion(body: dict, served: str) -> GenerationRequest:
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a list of either."""
+    common = _common(body, COMPLETION_FIELDS, served)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("prompt", "prompt is missing: give a string, a list of token ids, or a list of strings",
+                      "missing_required_parameter")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt):
+        prompts = prompt
+    else:
+        raise invalid("prompt", f"prompt must be a string, a non-empty list of token ids, or a non-empty list of "
+                      f"strings or token-id lists; got {json.dumps(prompt)[:100]}")
+    for p in prompts:
+        if p == "":
+            raise invalid("prompt", "prompt is an empty string; give some text")
+    return GenerationRequest(prompts=prompts, max_tokens=_integer(body, "max_tokens", 1, 16), **common)
+
+
+def parse_chat(body: dict, served: str) -> GenerationRequest:
+    """POST /v1/chat/completions: `messages` go through the tokenizer's chat template."""
+    common = _common(body, CHAT_FIELDS, served)
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages", "messages is missing: give a list of {role, content} objects",
+                      "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", f"messages must be a non-empty list of {{role, content}} objects, got "
+                      f"{json.dumps(messages)[:100]}")
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise invalid(where, f"{where} must be an object whose role is one of {', '.join(ROLES)}, got "
+                          f"{json.dumps(message)[:100]}")
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content", f"{where}.content must be a string or a list of text parts, got "
+                          f"{json.dumps(content)[:100]}")
+        turns.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+    limit = _integer(body, "max_completion_tokens", 1)
+    limit = _integer(body, "max_tokens", 1, limit)
+    return GenerationRequest(messages=turns, max_tokens=limit, **common)
