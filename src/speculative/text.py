@@ -37,10 +37,21 @@ class TextTokenizer:
 
     def chat(self, text: str) -> list[int]:
         """The prompt as one user turn of the tokenizer's chat template."""
+        return self.chat_messages([{"role": "user", "content": text}])
+
+    def chat_messages(self, messages) -> list[int]:
+        """A conversation ([{"role": ..., "content": ...}, ...]) through the chat template,
+        ready for the assistant's turn."""
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("messages must be a non-empty list of {\"role\": string, \"content\": string} objects, "
+                             f"got {str(messages)[:80]}")
         if not self.is_hf or not getattr(self.backend, "chat_template", None):
-            raise ValueError(f"tokenizer {self.name} has no chat template; drop --chat to use the text as it is")
-        ids = self.backend.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
+            raise ValueError(f"tokenizer {self.name} has no chat template; give the text as a prompt instead "
+                             "(drop --chat, or \"messages\" for \"prompt\")")
+        ids = self.backend.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                               add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
