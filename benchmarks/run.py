@@ -1,8 +1,9 @@
 """Regenerates every benchmark and the results section of BENCHMARKS.md.
 
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
-    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, ...
+    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, batch-ray, ...
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
+    python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -28,6 +29,7 @@ import torch
 from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
+import batch_ray
 import qwen
 
 HERE = Path(__file__).parent
@@ -167,7 +169,9 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "default-bfloat16": lambda: section_default("bfloat16"),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
-            "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True)}
+            "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
+            "batch-ray": lambda: batch_ray.section(save, prompts),
+            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 
@@ -213,6 +217,9 @@ def render() -> str:
     path = RESULTS / "engine.json"
     if path.is_file():
         parts += render_engine(json.loads(path.read_text()))
+    path = RESULTS / "batch-ray.json"
+    if path.is_file():
+        parts += batch_ray.render(json.loads(path.read_text()))
     return "\n".join(parts)
 
 

@@ -33,7 +33,8 @@ class ModelSpec:
     models from it. Field names follow `speculative generate`'s options."""
 
     target: str = "default"
-    # A model directory or preset, 'ngram', or MODEL+ngram; None: the target's partner.
+    # A model directory or preset, 'ngram', MODEL+ngram, or 'none' (plain decoding through
+    # the same engine, the baseline); None: the target's partner.
     draft: str | None = None
     # K: the most adaptive K may choose, or the fixed K (None: 4 for a draft model, 10 for ngram).
     num_draft_tokens: int | None = None
@@ -79,6 +80,8 @@ class ModelSpec:
                                    min_ngram=self.ngram_min, max_ngram=self.ngram_max)
         target = load_model(self.target, device=self.device, dtype=self.dtype)
         tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(self.target)
+        if self.draft == "none":
+            return Engine(target, None, config, max_batch_size=self.max_batch_size), tokenizer
         draft = make_draft(self.draft, self.device, self)
         for model, role in [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else []):
             check_draft_width(self.num_draft_tokens, model, role, "--num-draft-tokens (-k)")

@@ -225,8 +225,9 @@ def add_batch(sub) -> None:
     p.add_argument("output", help="output .jsonl file; appended to, and resumed from when it exists")
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
                    "preset (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft, as for `speculative generate` (default: "
-                   "default-draft+ngram for the shipped target, ngram otherwise)")
+    p.add_argument("--draft", default=None, help="draft, as for `speculative generate`, or 'none' (plain "
+                   "decoding through the same engine). Default: default-draft+ngram for the shipped target, ngram "
+                   "otherwise")
     p.add_argument("--max-new-tokens", type=integer(0), default=128, help="for records without max_tokens "
                    "(default: %(default)s)")
     p.add_argument("--temperature", type=number(0), default=0.0, help="for records without a temperature; "
