@@ -200,7 +200,7 @@ def test_resume_after_a_killed_job_writes_every_id_once(tmp_path):
     assert OutputFile(out).done == {row["id"] for row in read_output_complete(out)}
     result = subprocess.run(command(*job), capture_output=True, env=environment(), timeout=300)
     assert result.returncode == 0, result.stderr.decode()
-    assert f"already done" in result.stderr.decode()
+    assert "already done" in result.stderr.decode()
     ids = [row["id"] for row in read_output(out)]
     assert sorted(ids) == sorted(row["id"] for row in rows)  # each once, none missing
     run_local(tmp_path / "in.jsonl", tmp_path / "whole.jsonl", ModelSpec(max_batch_size=2), show_progress=False)

@@ -5,7 +5,9 @@ Ray Data reads INPUT (`read_text` for JSON lines, `read_parquet`), and `map_batc
 that many torch threads and its own models, loaded once when the actor starts. Every call
 takes up to max_batch_size records and returns their output lines; this process writes
 them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id). An actor
-that dies is restarted and its batch retried (max_restarts, max_task_retries).
+that dies is restarted and its batch retried: Ray Data gives its actors max_restarts=-1 and
+max_task_retries=-1 (without a bound), so a killed actor (out of memory, a lost node)
+costs its batch, not the job (tests/test_batch_ray.py kills one).
 """
 
 from __future__ import annotations
@@ -18,11 +20,6 @@ from typing import Callable
 
 from .batch import ModelSpec, Summary, Worker, progress
 from .batch_files import OutputFile, is_parquet, pending, read_records
-
-# Restarts of a dead actor, and retries of the call it was running: without a bound, so a
-# killed actor (out of memory, a lost node) costs its batch, not the job.
-FAULTS = {"max_restarts": -1, "max_task_retries": -1}
-
 
 class GenerateBatch:
     """The callable class of `map_batches`: one Worker per actor."""
@@ -117,4 +114,4 @@ def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozen
     data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(path, num_cpus=0)
     return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip},
                             batch_size=spec.max_batch_size, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads, **FAULTS)
+                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads)
