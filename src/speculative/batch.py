@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Iterator
 
 from .rows import SEED_RANGE, SamplingParams
@@ -52,21 +52,26 @@ class ModelSpec:
     # For records without their own max_tokens / temperature.
     max_new_tokens: int = 128
     temperature: float = 0.0
+    # Set by check(): the defaults above are resolved.
+    checked: bool = False
 
     def check(self) -> "ModelSpec":
-        """Resolve the defaults and check the options, before any model loads."""
+        """A copy with the defaults resolved and the options checked, before any model loads."""
         from .cli import ngram_sizes
         from .inputs import check_device
         from .loading import PARTNERS
 
-        check_device(self.device, "--device")
-        self.draft = self.draft or PARTNERS.get(self.target, "ngram")
-        ngram_sizes(self, self.draft)
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = 10 if self.draft == "ngram" else 4
-        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"--max-batch-size must be an integer >= 1, got {self.max_batch_size!r}")
-        return self
+        if self.checked:
+            return self
+        spec = replace(self, checked=True)
+        check_device(spec.device, "--device")
+        spec.draft = spec.draft or PARTNERS.get(spec.target, "ngram")
+        ngram_sizes(spec, spec.draft)
+        if spec.num_draft_tokens is None:
+            spec.num_draft_tokens = 10 if spec.draft == "ngram" else 4
+        if isinstance(spec.max_batch_size, bool) or not isinstance(spec.max_batch_size, int) or spec.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be an integer >= 1, got {spec.max_batch_size!r}")
+        return spec
 
     def load(self):
         """(engine, tokenizer): the models, loaded once per worker."""
@@ -156,11 +161,10 @@ class Worker:
     """Records in, output lines out, on one engine: the models load once."""
 
     def __init__(self, spec: ModelSpec, clock: Callable[[], float] = time.perf_counter):
-        self.spec = spec
+        self.spec = spec = spec.check()
         self.engine, self.tokenizer = spec.load()
         self.clock = clock
         self.step_seconds = 0.0  # inside engine.step: what is not overhead
-        self.tokens = 0
 
     def generate(self, records: Iterable[dict]) -> Iterator[dict]:
         """Output lines as records finish (a bad record's at once). The engine is kept fed:
@@ -204,7 +208,6 @@ class Worker:
 
     def _finished(self, request_id, tokens: list[int], reason: str, text: str | None = None) -> dict:
         stats = self.engine.request_stats(request_id)
-        self.tokens += len(tokens)
         return {"id": request_id, "text": self.tokenizer.decode(tokens) if text is None else text,
                 "token_ids": tokens, "finish_reason": reason, "drafted": stats.drafted, "accepted": stats.accepted,
                 "target_forwards": stats.target_forwards}
@@ -264,7 +267,7 @@ def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = Tr
     from .batch_files import OutputFile, pending, read_records
 
     records = read_records(input_path)
-    spec.check()
+    spec = spec.check()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
     todo = [record for _, record in pending(records, output.done)]

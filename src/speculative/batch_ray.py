@@ -24,26 +24,26 @@ from .batch_files import OutputFile, is_parquet, pending, read_records
 class GenerateBatch:
     """The callable class of `map_batches`: one Worker per actor."""
 
-    def __init__(self, spec: ModelSpec, threads: int, skip: frozenset):
+    def __init__(self, spec: ModelSpec, threads: int, skip: frozenset, lines: bool):
         import ray
         import torch
 
         torch.set_num_threads(threads)
         self.worker = Worker(spec)
         self.skip = skip
+        self.lines = lines  # rows are JSON lines (read_text's "text"), else records (Parquet)
         self.node = ray.get_runtime_context().get_node_id()
 
     def __call__(self, batch) -> dict:
         """Output lines of the batch's records (those not done yet), and what the call cost."""
         rows = batch.to_pylist()
-        records = [json.loads(row["text"]) if "text" in row and len(row) == 1 else row for row in rows]
-        started, inside = time.perf_counter(), self.worker.step_seconds
+        records = [json.loads(row["text"]) for row in rows] if self.lines else rows
+        inside = self.worker.step_seconds
         lines = [json.dumps(out, ensure_ascii=False)
                  for out in self.worker.generate(r for r in records if r["id"] not in self.skip)]
-        call = {"seconds": time.perf_counter() - started, "step_seconds": self.worker.step_seconds - inside}
-        # Figures of the call ride on its first line (zero on the others).
-        return {"line": lines, "node": [self.node] * len(lines),
-                **{name: [value] + [0.0] * (len(lines) - 1) if lines else [] for name, value in call.items()}}
+        # The call's seconds inside engine steps ride on its first line (zero on the others).
+        steps = [self.worker.step_seconds - inside] + [0.0] * (len(lines) - 1) if lines else []
+        return {"line": lines, "node": [self.node] * len(lines), "step_seconds": steps}
 
 
 def connect(address: str | None) -> bool:
@@ -68,7 +68,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
     records = read_records(input_path)
-    spec.check()
+    spec = spec.check()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
     todo = sum(1 for _ in pending(records, output.done))
@@ -112,6 +112,7 @@ def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozen
     # must be readable on every node (a local file on one machine, shared storage on several).
     path = str(Path(input_path).resolve())
     data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(path, num_cpus=0)
-    return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip},
+    return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip,
+                                                                   "lines": not is_parquet(input_path)},
                             batch_size=spec.max_batch_size, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads)
