@@ -4,6 +4,7 @@ the same tokens as in one process, through actor deaths and resumed jobs."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,21 +120,22 @@ def free_port() -> int:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """End a `ray start --block` node and every process it started, by their ids."""
+    """End a `ray start --block` node and every process it started, by their ids: SIGTERM
+    first (Ray's processes shut down on it), SIGKILL for what is left after 20 s."""
     try:
-        family = psutil.Process(process.pid).children(recursive=True)
+        family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
     except psutil.Error:
         family = []
-    process.terminate()  # --block: the node stops its own processes
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    gone, alive = psutil.wait_procs(family, timeout=15)
-    for leftover in alive:
-        leftover.kill()
+    for member in family:
+        try:
+            member.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=20)
+    for member in alive:
+        member.kill()
     psutil.wait_procs(alive, timeout=10)
+    process.wait(timeout=10)
 
 
 def test_two_nodes_on_one_machine(tmp_path, pair):
@@ -142,21 +144,20 @@ def test_two_nodes_on_one_machine(tmp_path, pair):
     rows = records(8, max_tokens=12)
     write_jsonl(tmp_path / "in.jsonl", rows)
     port = free_port()
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    temps = [tempfile.mkdtemp(prefix="rt", dir="/tmp") for _ in range(2)]  # short: socket paths fit 107 bytes
     env = {**environment(), "RAY_USAGE_STATS_ENABLED": "0"}
     nodes = []
     try:
         nodes.append(subprocess.Popen([str(RAY), "start", "--head", "--block", "--num-cpus", "1", "--port", str(port),
-                                       "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"],
+                                       "--include-dashboard", "false", "--temp-dir", temps[0], "--disable-usage-stats"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
         address = f"127.0.0.1:{port}"
         wait_for(lambda: subprocess.run([str(RAY), "status", "--address", address], capture_output=True,
                                         env=env).returncode == 0, "the head node")
-        nodes.append(subprocess.Popen([str(RAY), "start", "--address", address, "--block", "--num-cpus", "1"],
+        nodes.append(subprocess.Popen([str(RAY), "start", "--address", address, "--block", "--num-cpus", "1",
+                                       "--temp-dir", temps[1]],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
-        wait_for(lambda: b"2 node" in subprocess.run([str(RAY), "status", "--address", address],
-                                                      capture_output=True, env=env).stdout
-                 or status_nodes(address, env) == 2, "the second node")
+        wait_for(lambda: status_nodes(address, env) == 2, "the second node")
         result = subprocess.run(command("batch", tmp_path / "in.jsonl", tmp_path / "out.jsonl", "--ray", address,
                                         "--actors", "2", "--max-batch-size", "2", "--no-progress"),
                                 capture_output=True, env=env, timeout=300)
@@ -170,6 +171,8 @@ def test_two_nodes_on_one_machine(tmp_path, pair):
     finally:
         for node in reversed(nodes):
             stop(node)
+        for temp in temps:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def status_nodes(address: str, env: dict) -> int:

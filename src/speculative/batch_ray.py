@@ -21,6 +21,7 @@ from typing import Callable
 from .batch import ModelSpec, Summary, Worker, progress
 from .batch_files import OutputFile, is_parquet, pending, read_records
 
+
 class GenerateBatch:
     """The callable class of `map_batches`: one Worker per actor."""
 
@@ -37,10 +38,11 @@ class GenerateBatch:
     def __call__(self, batch) -> dict:
         """Output lines of the batch's records (those not done yet), and what the call cost."""
         rows = batch.to_pylist()
-        records = [json.loads(row["text"]) for row in rows] if self.lines else rows
+        if self.lines:  # as batch_files reads them: a byte-order mark dropped, blank lines skipped
+            rows = [json.loads(text) for text in (row["text"].lstrip("\ufeff") for row in rows) if text.strip()]
         inside = self.worker.step_seconds
         lines = [json.dumps(out, ensure_ascii=False)
-                 for out in self.worker.generate(r for r in records if r["id"] not in self.skip)]
+                 for out in self.worker.generate(r for r in rows if r["id"] not in self.skip)]
         # The call's seconds inside engine steps ride on its first line (zero on the others).
         steps = [self.worker.step_seconds - inside] + [0.0] * (len(lines) - 1) if lines else []
         return {"line": lines, "node": [self.node] * len(lines), "step_seconds": steps}
