@@ -69,7 +69,9 @@ def test_forty_records_on_two_actors_equal_one_process(tmp_path, cluster, pair):
     assert written[:4] == earlier
     assert sorted(row["id"] for row in written) == sorted(row["id"] for row in rows + bad)
     by_id = {row["id"]: row for row in written}
-    assert by_id == local
+    output = lambda row: (row.get("text"), row.get("token_ids"), row.get("finish_reason"), row.get("error"))  # noqa
+    # (drafted, accepted and target_forwards follow adaptive K, which follows timings)
+    assert {i: output(row) for i, row in by_id.items()} == {i: output(row) for i, row in local.items()}
     for row in rows:
         if "temperature" not in row:
             assert by_id[row["id"]]["token_ids"] == alone(pair, row), row["id"]
