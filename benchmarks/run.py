@@ -1,9 +1,10 @@
 """Regenerates every benchmark and the results section of BENCHMARKS.md.
 
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
-    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, ...
+    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, batch-ray, ...
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
+    python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -29,6 +30,7 @@ import torch
 from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
+import batch_ray
 import qwen
 import serve_bench
 
@@ -195,7 +197,9 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
-            "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True)}
+            "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
+            "batch-ray": lambda: batch_ray.section(save, prompts),
+            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 
@@ -244,6 +248,9 @@ def render() -> str:
     path = RESULTS / "serve.json"
     if path.is_file():
         parts += serve_bench.render(json.loads(path.read_text()))
+    path = RESULTS / "batch-ray.json"
+    if path.is_file():
+        parts += batch_ray.render(json.loads(path.read_text()))
     return "\n".join(parts)
 
 

@@ -212,6 +212,75 @@ def generate_batches(decoder, tokenizer, lines, args, eos, models) -> int:
     return 0
 
 
+def add_batch(sub) -> None:
+    p = sub.add_parser("batch", help="generate for every record of a JSONL or Parquet file, resumably, "
+                       "in this process or on a Ray cluster",
+                       description="Generate for every record of INPUT and append one JSON line per record id to "
+                                   "OUTPUT: id, text, token_ids, finish_reason, drafted, accepted, target_forwards, or "
+                                   "an error saying what was wrong with that record. Records are {\"id\", \"prompt\"} "
+                                   "(text or token ids) or {\"id\", \"messages\"}, with optional max_tokens, "
+                                   "temperature, seed and stop (strings). Rerunning the command skips the ids already "
+                                   "in OUTPUT. Exit status 2 when every record failed.")
+    p.add_argument("input", help="records: a .jsonl file (one JSON object per line) or a .parquet file")
+    p.add_argument("output", help="output .jsonl file; appended to, and resumed from when it exists")
+    p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
+                   "preset (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft, as for `speculative generate`, or 'none' (plain "
+                   "decoding through the same engine). Default: default-draft+ngram for the shipped target, ngram "
+                   "otherwise")
+    p.add_argument("--max-new-tokens", type=integer(0), default=128, help="for records without max_tokens "
+                   "(default: %(default)s)")
+    p.add_argument("--temperature", type=number(0), default=0.0, help="for records without a temperature; "
+                   "0 = greedy (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
+                   "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
+    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
+    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature when sampling "
+                   "(default: %(default)s)")
+    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
+    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    p.add_argument("--max-batch-size", type=integer(1), default=8, help="requests one engine runs at once; with "
+                   "--ray also the records each actor call takes (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_precision(p)
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="run on Ray: Ray "
+                   "Data reads INPUT and an actor pool generates (one engine per actor). Without ADDRESS a local "
+                   "cluster sized to this machine is started; with ADDRESS (host:port) an existing one is joined. "
+                   "Needs speculative[ray]")
+    p.add_argument("--actors", type=integer(1), default=None, help="with --ray: actors, each with its own models "
+                   "(default: the cluster's CPUs / --threads-per-actor)")
+    p.add_argument("--threads-per-actor", type=integer(1), default=1, help="with --ray: CPUs each actor "
+                   "reserves and torch threads it runs (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_batch)
+
+
+def run_batch(args) -> int:
+    from .batch import ModelSpec, run_local
+
+    if args.ray is None and (args.actors is not None or args.threads_per_actor != 1):
+        raise ValueError("--actors and --threads-per-actor apply with --ray")
+    spec = ModelSpec(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                     adaptive=not args.fixed_k, draft_temperature=args.draft_temperature, ngram_min=args.ngram_min,
+                     ngram_max=args.ngram_max, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                     draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
+                     max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature)
+    if args.ray is None:
+        summary = run_local(args.input, args.output, spec, show_progress=not args.no_progress)
+    else:
+        from .batch_ray import run_ray
+
+        address = None if args.ray == "local" else args.ray
+        summary = run_ray(args.input, args.output, spec, address=address, actors=args.actors,
+                          threads=args.threads_per_actor, show_progress=not args.no_progress)
+    print(summary.line(), file=sys.stderr)
+    if not summary.records:
+        print(f"nothing to do: every id of {args.input} is in {args.output} already", file=sys.stderr)
+    summary.check()
+    return 0
+
+
 def add_train(sub) -> None:
     p = sub.add_parser("train", help="train the default tokenizer, verifier and drafts from scratch",
                        description="Train the shipped default pair from the Python standard library of this "
@@ -406,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from .serve.command import add_serve
 
-    for add in (add_generate, add_serve, add_bench, add_train, add_export):
+    for add in (add_generate, add_serve, add_batch, add_bench, add_train, add_export):
         add(sub)
     for command in sub.choices.values():  # --verbose also after the command's name
         command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,

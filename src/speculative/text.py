@@ -49,8 +49,15 @@ class TextTokenizer:
     def chat_messages(self, messages: list[dict]) -> list[int]:
         """Chat turns ({"role", "content"}) through the chat template (`chat_template` when
         set, else the tokenizer's own), ending where the assistant's answer begins."""
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError("messages must be a non-empty list of {\"role\": string, \"content\": string} objects, "
+                             f"got {str(messages)[:80]}")
         if not self.has_chat_template():
-            raise ValueError(f"tokenizer {self.name} has no chat template")
+            raise ValueError(f"tokenizer {self.name} has no chat template; give the text as a prompt instead "
+                             "(drop --chat, or \"messages\" for \"prompt\")")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.is_hf:
             ids = self.backend.apply_chat_template(messages, chat_template=self.chat_template,
                                                    add_generation_prompt=True, tokenize=True)

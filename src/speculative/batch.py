@@ -1,0 +1,288 @@
+"""`speculative batch`: generation over a file of records, in this process or on Ray.
+
+Each record (`batch_files` has the file formats and how a job resumes) is one request of a
+step engine: {"id", "prompt"} (text or token ids) or {"id", "messages"} (a chat), with
+optional `max_tokens`, `temperature`, `seed` and `stop` (strings). Its output line holds
+id, text, token_ids, finish_reason ("length" or "stop") and its speculative figures
+(drafted, accepted, target_forwards); a record that cannot be generated gets `error`
+instead, saying what was wrong, and the job goes on.
+
+A `Worker` (models loaded once, one engine) turns records into output lines; this module
+runs one in this process (`run_local`), `batch_ray` runs one per Ray actor. Output does not
+depend on where a record ran: greedy records get the target's greedy tokens, seeded
+sampled ones the same tokens in any batch (the engine keys random streams by request).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Hashable, Iterable, Iterator
+
+from .rows import SEED_RANGE, SamplingParams
+
+# Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored.
+FIELDS = ("max_tokens", "temperature", "seed", "stop")
+
+
+@dataclass
+class ModelSpec:
+    """The models and decoding settings of a job, picklable: every Ray actor loads its own
+    models from it. Field names follow `speculative generate`'s options."""
+
+    target: str = "default"
+    # A model directory or preset, 'ngram', MODEL+ngram, or 'none' (plain decoding through
+    # the same engine, the baseline); None: the target's partner.
+    draft: str | None = None
+    # K: the most adaptive K may choose, or the fixed K (None: 4 for a draft model, 10 for ngram).
+    num_draft_tokens: int | None = None
+    adaptive: bool = True
+    draft_temperature: float = 1.0
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    draft_dtype: str = "auto"
+    draft_vocab: int = 0
+    draft_vocab_corpus: str = "stdlib"
+    # Requests one engine runs at once.
+    max_batch_size: int = 8
+    # For records without their own max_tokens / temperature.
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    # Set by check(): the defaults above are resolved.
+    checked: bool = False
+
+    def check(self) -> "ModelSpec":
+        """A copy with the defaults resolved and the options checked, before any model loads."""
+        from .cli import ngram_sizes
+        from .inputs import check_device
+        from .loading import PARTNERS
+
+        if self.checked:
+            return self
+        spec = replace(self, checked=True)
+        check_device(spec.device, "--device")
+        spec.draft = spec.draft or PARTNERS.get(spec.target, "ngram")
+        ngram_sizes(spec, spec.draft)
+        if spec.num_draft_tokens is None:
+            spec.num_draft_tokens = 10 if spec.draft == "ngram" else 4
+        if isinstance(spec.max_batch_size, bool) or not isinstance(spec.max_batch_size, int) or spec.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be an integer >= 1, got {spec.max_batch_size!r}")
+        return spec
+
+    def load(self):
+        """(engine, tokenizer): the models, loaded once per worker."""
+        from . import Engine, SpeculativeConfig, load_model, load_tokenizer
+        from .cli import draft_vocab, make_draft
+        from .inputs import check_draft_width
+        from .proposers import as_proposer
+
+        config = SpeculativeConfig(num_draft_tokens=self.num_draft_tokens, draft_temperature=self.draft_temperature,
+                                   adaptive=self.adaptive, prompt_lookup=self.draft.endswith("+ngram"),
+                                   min_ngram=self.ngram_min, max_ngram=self.ngram_max)
+        target = load_model(self.target, device=self.device, dtype=self.dtype)
+        tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(self.target)
+        if self.draft == "none":
+            return Engine(target, None, config, max_batch_size=self.max_batch_size), tokenizer
+        draft = make_draft(self.draft, self.device, self)
+        for model, role in [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else []):
+            check_draft_width(self.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
+        vocab = None if self.draft == "ngram" else draft_vocab(self, tokenizer)
+        proposer = as_proposer(draft, config, vocab)
+        return Engine(target, proposer, config, max_batch_size=self.max_batch_size), tokenizer
+
+
+def _json(value) -> str:
+    return json.dumps(value, default=repr)[:80]
+
+
+def request_of(record: dict, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    """(prompt ids, sampling params, stop strings) of one record; ValueError says what is wrong."""
+    has = {key: record.get(key) is not None for key in ("prompt", "messages", *FIELDS)}  # null = left out
+    if has["prompt"] == has["messages"]:
+        raise ValueError("a record needs either \"prompt\" (text or token ids) or \"messages\" (a chat), "
+                         f"{'not both' if has['prompt'] else 'got neither'}")
+    if has["prompt"]:
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"\"prompt\" must be a string or a list of token ids, got {_json(prompt)}")
+    else:
+        ids = tokenizer.chat_messages(record["messages"])
+    if not ids:
+        raise ValueError("the prompt is empty (it encodes to no tokens)")
+    max_tokens = record["max_tokens"] if has["max_tokens"] else spec.max_new_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"\"max_tokens\" must be an integer >= 0, got {_json(max_tokens)}")
+    temperature = record["temperature"] if has["temperature"] else spec.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"\"temperature\" must be a finite number >= 0 (0 = greedy), got {_json(temperature)}")
+    seed = record.get("seed")
+    if has["seed"] and (isinstance(seed, bool) or not isinstance(seed, int)
+                        or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ValueError(f"\"seed\" must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {_json(seed)}")
+    stop = record.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"\"stop\" must be a string or a list of non-empty strings, got {_json(record['stop'])}")
+    params = SamplingParams(max_tokens, float(temperature), seed=seed,
+                            stop_token_ids=tokenizer.eos_token_ids or None)
+    return ids, params, tuple(stop)
+
+
+def stop_cut(tokenizer, tokens: list[int], stops: tuple[str, ...], checked: int) -> tuple[int, str] | None:
+    """Where the first stop string ends the output: (tokens kept, text before the stop) for
+    the fewest tokens whose text holds a stop string, looking from token `checked` on.
+    Independent of how many tokens each step gave, so of the batch a record ran in."""
+    for n in range(max(1, checked), len(tokens) + 1):
+        text = tokenizer.decode(tokens[:n])
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if found:
+            return n, text[:min(found)]
+    return None
+
+
+@dataclass
+class Live:
+    """A record the engine is generating."""
+
+    stops: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """Records in, output lines out, on one engine: the models load once."""
+
+    def __init__(self, spec: ModelSpec, clock: Callable[[], float] = time.perf_counter):
+        self.spec = spec = spec.check()
+        self.engine, self.tokenizer = spec.load()
+        self.clock = clock
+        self.step_seconds = 0.0  # inside engine.step: what is not overhead
+
+    def generate(self, records: Iterable[dict]) -> Iterator[dict]:
+        """Output lines as records finish (a bad record's at once). The engine is kept fed:
+        records are added while fewer than max_batch_size wait for a free row."""
+        engine, waiting = self.engine, iter(records)
+        live: dict[Hashable, Live] = {}
+        more = True
+        while True:
+            while more and engine.num_waiting() < engine.max_batch_size:
+                record = next(waiting, None)
+                if record is None:
+                    more = False
+                    break
+                try:
+                    ids, params, stops = request_of(record, self.tokenizer, self.spec)
+                    engine.add_request(ids, params, request_id=record["id"])
+                    live[record["id"]] = Live(stops)
+                except (ValueError, TypeError) as error:
+                    yield {"id": record["id"], "error": str(error)}
+            if not engine.has_unfinished():
+                if more:
+                    continue
+                return
+            started = self.clock()
+            outputs = engine.step()
+            self.step_seconds += self.clock() - started
+            for output in outputs:
+                row = live.get(output.request_id)
+                if row is None:  # a record ended by a stop string, leaving the engine
+                    continue
+                done = len(row.tokens)
+                row.tokens += output.new_token_ids
+                cut = stop_cut(self.tokenizer, row.tokens, row.stops, done) if row.stops else None
+                if cut is not None:
+                    engine.abort(output.request_id)
+                    yield self._finished(output.request_id, row.tokens[:cut[0]], "stop", cut[1])
+                    del live[output.request_id]
+                elif output.finished:
+                    yield self._finished(output.request_id, row.tokens, output.finish_reason)
+                    del live[output.request_id]
+
+    def _finished(self, request_id, tokens: list[int], reason: str, text: str | None = None) -> dict:
+        stats = self.engine.request_stats(request_id)
+        return {"id": request_id, "text": self.tokenizer.decode(tokens) if text is None else text,
+                "token_ids": tokens, "finish_reason": reason, "drafted": stats.drafted, "accepted": stats.accepted,
+                "target_forwards": stats.target_forwards}
+
+
+@dataclass
+class Summary:
+    """What a job did (this run only: ids skipped on resume are not counted)."""
+
+    records: int = 0
+    errors: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    # Seconds from the job's start until its first record was written (start-up: models, Ray).
+    first_record_seconds: float | None = None
+    # Seconds inside the engines' step calls, summed over workers.
+    step_seconds: float = 0.0
+    skipped: int = 0
+    first_error: str | None = None
+    workers: int = 1
+    # Records written per Ray node id (empty in this process).
+    nodes: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        where = f" on {self.workers} actors across {len(self.nodes)} nodes" if self.nodes else ""
+        return (f"[{self.records} records ({self.errors} with errors, {self.skipped} already done), {self.tokens} "
+                f"tokens in {self.seconds:.2f} s{where}: {rate:.1f} tokens/s]")
+
+    def count(self, record: dict, started: float, now: float) -> None:
+        self.records += 1
+        if self.first_record_seconds is None:
+            self.first_record_seconds = now - started
+        if "error" in record:
+            self.errors += 1
+            self.first_error = self.first_error or f"id {_json(record['id'])}: {record['error']}"
+        else:
+            self.tokens += len(record["token_ids"])
+
+    def check(self) -> "Summary":
+        """A job whose records all failed is a failed job."""
+        if self.records and self.errors == self.records:
+            raise ValueError(f"all {self.records} records failed; the first: {self.first_error} (each record's "
+                             "error is in its output line)")
+        return self
+
+
+def progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="records", disable=not enabled, dynamic_ncols=True)
+
+
+def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = True,
+              clock: Callable[[], float] = time.perf_counter) -> Summary:
+    """The job in this process, on one engine, with a progress bar (records, tokens/s)."""
+    from .batch_files import OutputFile, pending, read_records
+
+    records = read_records(input_path)
+    spec = spec.check()
+    output = OutputFile(output_path)
+    summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
+    todo = [record for _, record in pending(records, output.done)]
+    started = clock()
+    try:
+        if todo:
+            worker = Worker(spec, clock)
+            with progress(len(todo), show_progress) as bar:
+                for record in worker.generate(todo):
+                    if output.write(record):
+                        summary.count(record, started, clock())
+                        bar.update()
+                        bar.set_postfix_str(f"{summary.tokens / max(clock() - started, 1e-9):.1f} tokens/s")
+            summary.step_seconds = worker.step_seconds
+    finally:
+        output.close()
+    summary.seconds = clock() - started
+    return summary

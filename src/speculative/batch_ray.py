@@ -1,0 +1,120 @@
+"""`speculative batch --ray`: the job on a Ray cluster, one engine per actor.
+
+Ray Data reads INPUT (`read_text` for JSON lines, `read_parquet`), and `map_batches` runs
+`GenerateBatch` on an actor pool: `concurrency` actors of `num_cpus` CPUs each, each with
+that many torch threads and its own models, loaded once when the actor starts. Every call
+takes up to max_batch_size records and returns their output lines; this process writes
+them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id). An actor
+that dies is restarted and its batch retried: Ray Data gives its actors max_restarts=-1 and
+max_task_retries=-1 (without a bound), so a killed actor (out of memory, a lost node)
+costs its batch, not the job (tests/test_batch_ray.py kills one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from .batch import ModelSpec, Summary, Worker, progress
+from .batch_files import OutputFile, is_parquet, pending, read_records
+
+
+class GenerateBatch:
+    """The callable class of `map_batches`: one Worker per actor."""
+
+    def __init__(self, spec: ModelSpec, threads: int, skip: frozenset, lines: bool):
+        import ray
+        import torch
+
+        torch.set_num_threads(threads)
+        self.worker = Worker(spec)
+        self.skip = skip
+        self.lines = lines  # rows are JSON lines (read_text's "text"), else records (Parquet)
+        self.node = ray.get_runtime_context().get_node_id()
+
+    def __call__(self, batch) -> dict:
+        """Output lines of the batch's records (those not done yet), and what the call cost."""
+        rows = batch.to_pylist()
+        if self.lines:  # as batch_files reads them: a byte-order mark dropped, blank lines skipped
+            rows = [json.loads(text) for text in (row["text"].lstrip("\ufeff") for row in rows) if text.strip()]
+        inside = self.worker.step_seconds
+        lines = [json.dumps(out, ensure_ascii=False)
+                 for out in self.worker.generate(r for r in rows if r["id"] not in self.skip)]
+        # The call's seconds inside engine steps ride on its first line (zero on the others).
+        steps = [self.worker.step_seconds - inside] + [0.0] * (len(lines) - 1) if lines else []
+        return {"line": lines, "node": [self.node] * len(lines), "step_seconds": steps}
+
+
+def connect(address: str | None) -> bool:
+    """Join the cluster at `address`, or start a local one sized to this machine (no
+    dashboard); an already connected driver is used as it is. True when we connected."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None, actors: int | None = None,
+            threads: int = 1, show_progress: bool = True, clock: Callable[[], float] = time.perf_counter) -> Summary:
+    """The job on Ray. `actors` defaults to the cluster's CPUs / `threads`."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
+    records = read_records(input_path)
+    spec = spec.check()
+    output = OutputFile(output_path)
+    summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
+    todo = sum(1 for _ in pending(records, output.done))
+    started = clock()
+    joined = False
+    try:
+        if todo:
+            joined = connect(address)
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            actors = actors or max(1, cpus // threads)
+            if actors * threads > cpus:
+                raise ValueError(f"--actors {actors} x --threads-per-actor {threads} needs {actors * threads} CPUs; "
+                                 f"the cluster has {cpus}")
+            summary.workers = actors
+            lines = dataset(input_path, spec, actors, threads, frozenset(output.done))
+            with progress(todo, show_progress) as bar:
+                for row in lines.iter_rows():
+                    record = json.loads(row["line"])
+                    summary.step_seconds += row["step_seconds"]
+                    if output.write(record):
+                        summary.count(record, started, clock())
+                        summary.nodes[row["node"]] = summary.nodes.get(row["node"], 0) + 1
+                        bar.update()
+                        bar.set_postfix_str(f"{summary.tokens / max(clock() - started, 1e-9):.1f} tokens/s")
+    finally:
+        output.close()
+        if joined:
+            ray.shutdown()
+    summary.seconds = clock() - started
+    return summary
+
+
+def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozenset):
+    """The Ray Data pipeline: read, then generate on the actor pool."""
+    import ray
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # ours counts records and tokens
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Reading reserves no CPU, so it never waits behind actors that hold every CPU. The path
+    # must be readable on every node (a local file on one machine, shared storage on several).
+    path = str(Path(input_path).resolve())
+    data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(path, num_cpus=0)
+    return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip,
+                                                                   "lines": not is_parquet(input_path)},
+                            batch_size=spec.max_batch_size, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads)
