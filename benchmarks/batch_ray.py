@@ -61,7 +61,10 @@ def run_way(where: str, draft: str, records: Path, folder: Path, round_: int, ba
     return {"tokens_per_second": summary.tokens / summary.seconds, "seconds": summary.seconds,
             "first_record_seconds": summary.first_record_seconds,
             "outside_steps": 1 - summary.step_seconds / (workers * summary.seconds),
-            "steady_tokens_per_second": summary.tokens / (summary.seconds - summary.first_record_seconds),
+            # After start-up: undefined when most records arrive with the first write (a short job).
+            "steady_tokens_per_second": (summary.tokens / (summary.seconds - summary.first_record_seconds)
+                                         if summary.seconds - summary.first_record_seconds > summary.seconds / 2
+                                         else None),
             "tokens": tokens, "errors": summary.errors}
 
 
@@ -93,19 +96,19 @@ def section(save, prompts, smoke: bool = False) -> None:
               "ways": {}}
     for name, rounds in results.items():
         report["ways"][name] = {key: statistics.median(r[key] for r in rounds) for key in
-                                ("tokens_per_second", "seconds", "first_record_seconds", "outside_steps",
-                                 "steady_tokens_per_second")}
+                                ("tokens_per_second", "seconds", "first_record_seconds", "outside_steps")}
+        steady = [r["steady_tokens_per_second"] for r in rounds if r["steady_tokens_per_second"] is not None]
+        report["ways"][name]["steady_tokens_per_second"] = statistics.median(steady) if steady else None
         report["ways"][name]["identical"] = all(r["tokens"] == reference and not r["errors"] for r in rounds)
     ways = report["ways"]
     report["ray_vs_process"] = {d: ways[f"ray {d}"]["tokens_per_second"] / ways[f"process {d}"]["tokens_per_second"]
                                 for d in DRAFTS}
     report["speculative_vs_plain_on_ray"] = (ways["ray speculative"]["tokens_per_second"]
                                              / ways["ray plain"]["tokens_per_second"])
-    per_actor = ways["ray speculative"]["steady_tokens_per_second"] / 2
-    start = ways["ray speculative"]["first_record_seconds"]
-    report["projection"] = [{"actors": n, "tokens_per_second": n * per_actor,
-                             "seconds_for_10000_records": start + 10_000 * max_new / (n * per_actor)}
-                            for n in (2, 4, 8, 16, 32)]
+    steady, start = ways["ray speculative"]["steady_tokens_per_second"], ways["ray speculative"]["first_record_seconds"]
+    report["projection"] = [] if steady is None else [
+        {"actors": n, "tokens_per_second": n * steady / 2,
+         "seconds_for_10000_records": start + 10_000 * max_new / (n * steady / 2)} for n in (2, 4, 8, 16, 32)]
     save("batch-ray-smoke" if smoke else "batch-ray", report)
     for line in render(report):
         print(line)
@@ -126,6 +129,9 @@ def render(report: dict) -> list[str]:
     parts.append(f"\nRay against one process: {ratio['speculative']:.2f}x speculative, {ratio['plain']:.2f}x plain "
                  f"(goal >= 0.9x); speculative against plain through Ray: "
                  f"{report['speculative_vs_plain_on_ray']:.2f}x (goal >= 1.5x).\n")
+    if not report["projection"]:
+        parts.append("No projection: the job was too short to measure a rate after start-up.\n")
+        return parts
     parts.append("Projection from the measured per-actor rate after start-up (an actor per core, the writer never "
                  "the limit): " + ", ".join(f"{p['actors']} actors {p['tokens_per_second']:.0f} tokens/s "
                                             f"({p['seconds_for_10000_records'] / 60:.0f} min for 10,000 records)"
