@@ -212,6 +212,17 @@ def generate_batches(decoder, tokenizer, lines, args, eos, models) -> int:
     return 0
 
 
+def add_drafting(p) -> None:
+    """The drafting options of the engine-backed commands (batch, serve)."""
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
+                   "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
+    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
+    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature for sampled "
+                   "requests; changes speed only (default: %(default)s)")
+    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
+    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+
+
 def add_batch(sub) -> None:
     p = sub.add_parser("batch", help="generate for every record of a JSONL or Parquet file, resumably, "
                        "in this process or on a Ray cluster",
@@ -232,13 +243,7 @@ def add_batch(sub) -> None:
                    "(default: %(default)s)")
     p.add_argument("--temperature", type=number(0), default=0.0, help="for records without a temperature; "
                    "0 = greedy (default: %(default)s)")
-    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
-                   "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
-    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
-    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature when sampling "
-                   "(default: %(default)s)")
-    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
-    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    add_drafting(p)
     p.add_argument("--max-batch-size", type=integer(1), default=8, help="requests one engine runs at once; with "
                    "--ray also the records each actor call takes (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")

@@ -19,7 +19,7 @@ NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def add_serve(sub) -> None:
-    from ..cli import add_precision
+    from ..cli import add_drafting, add_precision
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the step engine",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
@@ -41,13 +41,7 @@ def add_serve(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for a tokenizer without "
                    "one (or to replace its own)")
-    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
-                   "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
-    p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
-    p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature for sampled "
-                   "requests; changes speed only (default: %(default)s)")
-    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
-    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    add_drafting(p)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's own)")
     p.add_argument("--max-body-bytes", type=integer(1), default=1 << 20, help="larger request bodies are refused "
