@@ -147,7 +147,9 @@ def test_two_nodes_on_one_machine(tmp_path, pair):
     write_jsonl(tmp_path / "in.jsonl", rows)
     port = free_port()
     temps = [tempfile.mkdtemp(prefix="rt", dir="/tmp") for _ in range(2)]  # short: socket paths fit 107 bytes
-    env = {**environment(), "RAY_USAGE_STATS_ENABLED": "0"}
+    # Token authentication off: a ~/.ray/auth_token left by another tool would turn it on
+    # for `ray start` but not for `ray status`, which then cannot see the head node.
+    env = {**environment(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     nodes = []
     try:
         nodes.append(subprocess.Popen([str(RAY), "start", "--head", "--block", "--num-cpus", "1", "--port", str(port),

@@ -85,7 +85,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
                 raise ValueError(f"--actors {actors} x --threads-per-actor {threads} needs {actors * threads} CPUs; "
                                  f"the cluster has {cpus}")
             summary.workers = actors
-            lines = dataset(input_path, spec, actors, threads, frozenset(output.done))
+            lines = dataset(input_path, spec, actors, threads, frozenset(output.done), todo)
             with progress(todo, show_progress) as bar:
                 for row in lines.iter_rows():
                     record = json.loads(row["line"])
@@ -103,17 +103,26 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
     return summary
 
 
-def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozenset):
-    """The Ray Data pipeline: read, then generate on the actor pool."""
+def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozenset, todo: int):
+    """The Ray Data pipeline: read, then generate on the actor pool.
+
+    Work is spread over every actor: the pool starts all of them (models loaded) before the
+    first batch is handed out, and the input is cut into enough blocks (one batch each, up to
+    8 per actor) that no actor gets a block other actors could have shared. Without both, the
+    first actor ready takes every block of a short job."""
+    import math
+
     import ray
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours counts records and tokens
+    context.wait_for_min_actors_s = 600
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     # Reading reserves no CPU, so it never waits behind actors that hold every CPU. The path
     # must be readable on every node (a local file on one machine, shared storage on several).
     path = str(Path(input_path).resolve())
-    data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(path, num_cpus=0)
+    data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(
+        path, num_cpus=0, override_num_blocks=max(1, min(math.ceil(todo / spec.max_batch_size), 8 * actors)))
     return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip,
                                                                    "lines": not is_parquet(input_path)},
                             batch_size=spec.max_batch_size, batch_format="pyarrow",
