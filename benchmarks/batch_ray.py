@@ -79,6 +79,7 @@ def section(save, prompts, smoke: bool = False) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cluster_seconds = time.perf_counter() - started
     results: dict = {f"{w} {d}": [] for w, d in WAYS}
+    threads = torch.get_num_threads()  # run_way sets its own; later sections get theirs back
     try:
         for round_ in range(runs):
             for where, draft in WAYS:
@@ -88,6 +89,7 @@ def section(save, prompts, smoke: bool = False) -> None:
                       f"record {result['first_record_seconds']:.1f} s, outside steps {result['outside_steps']:.1%}")
     finally:
         ray.shutdown()
+        torch.set_num_threads(threads)
     reference = results["process speculative"][0]["tokens"]
     report = {"title": (f"speculative batch: Ray (2 actors x 1 thread) against one process (2 threads), {count} "
                         f"code-completion records, {max_new} new tokens, shipped pair"),
