@@ -111,15 +111,16 @@ def tree_inputs(trees: list[Tree], last_tokens: list[int], starts: list[int], de
     of its ancestors; node 0 sees itself) and the nodes per row, 1 + len(tree).
     """
     width = 1 + max(map(len, trees))
-    tokens = torch.zeros(len(trees), width, dtype=torch.long)
-    positions = torch.zeros(len(trees), width, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
-    for b, (tree, last, start) in enumerate(zip(trees, last_tokens, starts)):
-        n = len(tree)
-        tokens[b, 0] = last
-        tokens[b, 1:n + 1] = torch.tensor(tree.tokens, dtype=torch.long)
-        positions[b, :n + 1] = start + torch.tensor([0] + tree.depths())
-        positions[b, n + 1:] = start
+    tokens, positions, masks = [], [], []
+    for tree, last, start in zip(trees, last_tokens, starts):
+        pad = width - 1 - len(tree)
+        tokens.append([last] + tree.tokens + [0] * pad)
+        positions.append([start] + [start + d for d in tree.depths()] + [start] * pad)
+        seen = [1 << 0]  # bit j: sees column j
         for i, parent in enumerate(tree.parents):
-            mask[b, i + 1] |= mask[b, parent + 1]  # a node sees what its parent sees, and itself
-    return tokens.to(device), positions.to(device), mask.to(device), [1 + len(t) for t in trees]
+            seen.append(seen[parent + 1] | 1 << (i + 1))  # what its parent sees, and itself
+        seen += [1 << j for j in range(len(seen), width)]  # padding sees itself
+        masks.append([[bool(row >> j & 1) for j in range(width)] for row in seen])
+    mask = torch.tensor(masks, dtype=torch.bool)  # (B, 1+N, 1+N)
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
+    return as_tensor(tokens), as_tensor(positions), mask.to(device), [1 + len(t) for t in trees]

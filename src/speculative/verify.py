@@ -172,6 +172,13 @@ def tree_rejection_walk(tree: Tree, draft_probs: torch.Tensor | None, target_pro
     draft_probs (N, V): q_c of each node (the distribution it was drawn from), or None when
     every node is deterministic (q one-hot). target_probs (1+N, V). Returns the accepted
     path and the extra token."""
+    path, p = walk_tree(tree, draft_probs, target_probs, generator)
+    return path, int(sample(p[None], [generator])[0])
+
+
+def walk_tree(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+              generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    """The accepted path and the distribution (V,) the extra token is drawn from."""
     children = tree.children()
     node, path = 0, []
     device = target_probs.device
@@ -179,16 +186,19 @@ def tree_rejection_walk(tree: Tree, draft_probs: torch.Tensor | None, target_pro
         p = target_probs[node]
         for child in children[node]:
             x = tree.tokens[child]
-            q = F.one_hot(torch.tensor(x, device=device), p.shape[-1]).to(p.dtype) if draft_probs is None \
-                else draft_probs[child]
-            u = float(uniform([1], 1, [generator], device)[0, 0])
-            if u * float(q[x]) < float(p[x]):
+            q = None if draft_probs is None else draft_probs[child]
+            u = float(torch.rand(1, generator=generator, device=device))
+            if u * (1.0 if q is None else float(q[x])) < float(p[x]):
                 break
-            residual = (p - q).clamp(min=0)
+            if q is None:  # max(0, p - one_hot(x)): p without x
+                residual = p.clone()
+                residual[x] = 0
+            else:
+                residual = (p - q).clamp(min=0)
             mass = residual.sum()
             p = residual / mass if mass > 0 else p  # p == q up to rounding: p is then exact
         else:
-            return path, int(sample(p[None], [generator])[0])
+            return path, p
         path.append(child)
         node = child + 1
 
@@ -203,7 +213,12 @@ def tree_verify_rows(trees: list[Tree], draft_probs: list[torch.Tensor | None] |
     if sampled:
         index = torch.tensor(sampled, device=target_logits.device)
         p = row_probabilities(target_logits[index], [samplers[i] for i in sampled])  # (S, 1+N, V)
+        finals = []
         for row, probs in zip(sampled, p):
             q = None if draft_probs is None else draft_probs[row]
-            paths[row], extra[row] = tree_rejection_walk(trees[row], q, probs, generators[row])
+            paths[row], final = walk_tree(trees[row], q, probs, generators[row])
+            finals.append(final)
+        # One draw per row from its own generator, after its walk's: the same stream as one by one.
+        for row, token in zip(sampled, sample(torch.stack(finals), [generators[i] for i in sampled]).tolist()):
+            extra[row] = token
     return paths, extra
