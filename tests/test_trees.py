@@ -326,3 +326,12 @@ def test_suffix_trees_are_greedy_exact_in_ragged_batches():
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
         assert [got[f"{round_}-{i}"] for i in range(4)] == expected
+
+
+def test_the_command_line_drafts_trees(capsys):
+    from speculative.cli import main
+
+    for draft in ("ngram", "suffix", "default-draft+ngram"):
+        assert main(["generate", "--draft", draft, "--tree-top-k", "3", "--tree-max-tokens", "8",
+                     "--max-new-tokens", "24", "--prompt", "x = [1, 2, 3]\nx = [1, 2, 3]\n"]) == 0
+        assert "24 tokens in" in capsys.readouterr().out
