@@ -5,6 +5,7 @@
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
+    python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -33,6 +34,7 @@ from speculative.bench import batch_throughput, machine, plot, run_bench, table
 import batch_ray
 import qwen
 import serve_bench
+import trees
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -199,7 +201,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
             "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
             "batch-ray": lambda: batch_ray.section(save, prompts),
-            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True)}
+            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
+            "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 

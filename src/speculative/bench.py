@@ -23,7 +23,6 @@ from .config import SpeculativeConfig, integer
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .models.hf import HFModel
 from .proposers.ngram import NGramProposer
-from .proposers.suffix import SuffixProposer
 
 
 class PeakMemory:
@@ -126,9 +125,10 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
     first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
-    every draft model (None: all tokens). `tree` = (top_k, nodes) adds n-gram and suffix-cache
-    trees of that many nodes (depth max(ks)) and an n-gram chain of the same verify width
-    (K = nodes). After a warm-up of every method, each of the
+    every draft model (None: all tokens). `tree` = (top_k, nodes) adds n-gram trees of that many
+    nodes (depth max(ks)), lookup trees for the `lookup` drafts, and an n-gram chain of the
+    same verify width (K = nodes). (A suffix cache needs one engine across prompts:
+    benchmarks/trees.py.) After a warm-up of every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
     the median over rounds of its speed (all prompts) over the baseline's in the same
@@ -162,8 +162,6 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
         shape = dict(tree_top_k=top_k, tree_max_tokens=nodes)
         speculative(f"ngram chain K={nodes}", NGramProposer(num_draft_tokens=nodes), "ngram", nodes, False)
         speculative(f"ngram tree top-{top_k} {nodes} nodes", NGramProposer(num_draft_tokens=max(ks)), "ngram",
-                    max(ks), False, **shape)
-        speculative(f"suffix tree top-{top_k} {nodes} nodes", SuffixProposer(num_draft_tokens=max(ks)), "suffix",
                     max(ks), False, **shape)
         for name, draft in drafts.items():
             if name in lookup:

@@ -385,7 +385,7 @@ def add_bench(sub) -> None:
                    "(default: 1,2,4,8)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
     p.add_argument("--tree-top-k", type=integer(2), default=None, help="also token trees with this many children "
-                   "per node: n-gram and suffix-cache trees (and MODEL+ngram drafts with lookup trees) of "
+                   "per node: n-gram trees (and MODEL+ngram drafts with lookup trees) of "
                    "--tree-max-tokens nodes, against an n-gram chain of the same verify width")
     p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="nodes per tree with --tree-top-k "
                    "(default: %(default)s)")
