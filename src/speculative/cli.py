@@ -110,8 +110,9 @@ def add_generate(sub) -> None:
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
                    "preset: default, gemma-3-270m (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
-                   "draft), 'ngram' (prompt lookup, no draft model), 'suffix' (lookup plus earlier outputs of this run), or a model followed by '+ngram' (prompt "
-                   "lookup first, the model where lookup finds nothing). Default: default-draft+ngram for the "
+                   "draft), 'ngram' (prompt lookup, no draft model), 'suffix' (lookup plus earlier outputs of "
+                   "this run), or a model followed by '+ngram' (prompt lookup first, the model where lookup "
+                   "finds nothing). Default: default-draft+ngram for the "
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
