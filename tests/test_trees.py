@@ -54,9 +54,31 @@ def test_config_checks():
             SpeculativeConfig(**{name: 2.5})
 
 
-def test_mask_and_positions_match_each_path_fed_alone():
+def hf(kind):
+    """Tiny transformers models through the adapter; gemma has a sliding window of 4 positions."""
+    transformers = pytest.importorskip("transformers")
+    from speculative.models.hf import HFModel
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        return HFModel(transformers.LlamaForCausalLM(config))
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           max_position_embeddings=256)
+    return HFModel(transformers.Gemma3ForCausalLM(config))
+
+
+MODELS = {"decoder_only": lambda: tiny("decoder_only", seed=3), "llama": lambda: hf("llama"),
+          "gemma3 sliding": lambda: hf("gemma")}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_mask_and_positions_match_each_path_fed_alone(kind):
     """Every node's logits in one tree forward equal the logits of its path fed on its own."""
-    model = tiny("decoder_only", seed=3)
+    model = MODELS[kind]()
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2]]
     trees = [Tree([10, 11, 12, 13, 14, 15], [-1, -1, 0, 0, 2, 1]), Tree([20, 21, 22], [-1, 0, -1])]
     with torch.inference_mode():
@@ -115,6 +137,16 @@ def test_ngram_trees_are_greedy_exact_in_ragged_batches(seed, kept_paths):
     assert any(off_first_branch(tree, path) for tree, path in kept_paths)  # ... and they branched
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3 sliding"])
+def test_transformers_targets_verify_trees_exactly(kind, kept_paths):
+    target = MODELS[kind]()
+    prompts = repetitive_prompts(3, seed=4)
+    budgets = [30, 9, 22]
+    decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=6), TREE)
+    assert decoder.generate(prompts, budgets) == autoregressive_generate(target, prompts, budgets)
+    assert any(off_first_branch(tree, path) for tree, path in kept_paths)
+
+
 def test_eos_and_budget_inside_a_branch():
     """Stop tokens and budgets cut inside an accepted path; rows that stop leave, others go on."""
     target = tiny("decoder_only", seed=4)
@@ -147,8 +179,8 @@ def test_a_recurrent_target_keeps_chains_and_says_so_once():
         engine = Engine(target, NGramProposer(), TREE)
     assert not engine.trees
     assert [str(w.message) for w in caught] == [
-        "tree_top_k=3: the target S4DLM cannot verify token trees (recurrent models cannot branch in one forward; "
-        "the transformers adapter does not yet); this engine drafts chains"]
+        "tree_top_k=3: the target S4DLM cannot verify token trees (recurrent models cannot branch in one forward); "
+        "this engine drafts chains"]
     prompts = repetitive_prompts(2)
     decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=6), TREE)
     with warnings.catch_warnings():

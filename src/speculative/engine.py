@@ -81,7 +81,7 @@ def can_branch(target, proposer, top_k: int) -> bool:
     why = None
     if not callable(getattr(target, "compact", None)):
         why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
-               "one forward; the transformers adapter does not yet)")
+               "one forward)")
     elif not getattr(proposer, "branches", False):
         why = f"the draft {type(proposer).__name__} drafts chains only (trees come from lookup sources)"
     if why is None:
