@@ -268,15 +268,19 @@ def test_the_g_test_catches_a_wrong_tree_rule(sampled):
 
 
 @pytest.mark.slow
-def test_engine_ngram_trees_sample_the_target_distribution():
-    """End to end: n-gram trees on a repetitive prompt, seeded sampled requests."""
+@pytest.mark.parametrize("source", ["draft model + ngram"])  # "ngram" alone passes too (30 s more)
+def test_engine_trees_sample_the_target_distribution(source):
+    """End to end: lookup trees on a repetitive prompt (and the draft model's sampled chains
+    where lookup finds no preferred match), seeded sampled requests."""
     from helpers import sharpen
 
     target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 12.0)
     prompt = [1, 5, 2, 1, 5, 3, 1, 5, 2, 1, 5]
     config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=3, tree_top_k=3,
-                               tree_max_tokens=6)
-    decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=3), config)
+                               tree_max_tokens=6, prompt_lookup=source != "ngram")
+    draft = NGramProposer(num_draft_tokens=3) if source == "ngram" else \
+        sharpen(tiny("decoder_only", vocab=VOCAB, seed=12), 12.0)
+    decoder = SpeculativeDecoder(target, draft, config)
     counts = torch.zeros(VOCAB ** LENGTH)
     for start in range(0, DRAWS, 5_000):
         outs = decoder.generate([prompt] * 5_000, LENGTH, seeds=list(range(start, start + 5_000)))
@@ -367,3 +371,32 @@ def test_the_command_line_drafts_trees(capsys):
         assert main(["generate", "--draft", draft, "--tree-top-k", "3", "--tree-max-tokens", "8",
                      "--max-new-tokens", "24", "--prompt", "x = [1, 2, 3]\nx = [1, 2, 3]\n"]) == 0
         assert "24 tokens in" in capsys.readouterr().out
+
+
+def test_bench_compares_trees_with_chains_of_the_same_width():
+    from speculative.bench import run_bench
+
+    target = tiny("decoder_only", seed=0)
+    report = run_bench(target, {}, repetitive_prompts(2), max_new=12, runs=1, ks=(4,), adaptive=False, peers=False,
+                       tree=(2, 6), log=lambda *a: None)
+    methods = {m["name"]: m for m in report["methods"]}
+    assert list(methods) == ["autoregressive", "ngram K=4", "ngram chain K=6", "ngram tree top-2 6 nodes"]
+    assert all(m["identical"] for m in report["methods"][1:])
+    assert methods["ngram tree top-2 6 nodes"]["acceptance_per_depth"]
+
+
+def test_a_draft_model_alone_keeps_chains_and_says_so():
+    target, draft = tiny("decoder_only", seed=0), tiny("decoder_only", seed=1)
+    with pytest.warns(UserWarning, match="the draft DraftModelProposer drafts chains only"):
+        engine = Engine(target, draft, TREE)
+    assert not engine.trees
+
+
+def test_a_draft_model_behind_lookup_trees_is_exact():
+    """MODEL+ngram: rows with a lookup tree take it, the draft model chains for the others."""
+    target, draft = tiny("decoder_only", seed=0), tiny("decoder_only", seed=1)
+    config = SpeculativeConfig(num_draft_tokens=6, tree_top_k=3, tree_max_tokens=12, adaptive=False,
+                               prompt_lookup=True)
+    prompts = repetitive_prompts(3, seed=5) + [list(range(10, 20))]
+    decoder = SpeculativeDecoder(target, draft, config)
+    assert decoder.generate(prompts, 20) == autoregressive_generate(target, prompts, 20)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import warnings
 from collections import OrderedDict, deque
 from typing import Callable, Hashable
 
@@ -49,7 +48,7 @@ from .rows import RequestOutput, Row, SamplingParams
 from .sampling import GREEDY, Sampler
 from .stats import DecodeStats, RequestStats
 from .text import same_vocabulary
-from .tree import Tree, tree_inputs
+from .tree import Tree, can_branch, tree_inputs
 from .verify import tree_verify_rows, verify_rows
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
@@ -73,21 +72,6 @@ def check_compatible(target, proposer) -> None:
     if proposer.vocab_size != target.vocab_size:
         raise ValueError(f"draft and target vocabularies differ: draft has {proposer.vocab_size} tokens, target "
                          f"has {target.vocab_size}; both sides must share one vocabulary")
-
-
-def can_branch(target, proposer, top_k: int) -> bool:
-    """Whether an engine can draft trees with these; if not, it says so once, here, and
-    drafts chains (recurrent models cannot branch in one forward)."""
-    why = None
-    if not callable(getattr(target, "compact", None)):
-        why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
-               "one forward)")
-    elif not getattr(proposer, "branches", False):
-        why = f"the draft {type(proposer).__name__} drafts chains only (trees come from lookup sources)"
-    if why is None:
-        return True
-    warnings.warn(f"tree_top_k={top_k}: {why}; this engine drafts chains", UserWarning, stacklevel=3)
-    return False
 
 
 def refill_order(size: int, leaving: set[int]) -> list[int]:

@@ -15,6 +15,7 @@ into place (the model's `compact`), and everything else is dropped.
 from __future__ import annotations
 
 import heapq
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -124,3 +125,18 @@ def tree_inputs(trees: list[Tree], last_tokens: list[int], starts: list[int], de
     mask = torch.tensor(masks, dtype=torch.bool)  # (B, 1+N, 1+N)
     as_tensor = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
     return as_tensor(tokens), as_tensor(positions), mask.to(device), [1 + len(t) for t in trees]
+
+
+def can_branch(target, proposer, top_k: int) -> bool:
+    """Whether an engine can draft trees with these; if not, it says so once, here, and
+    drafts chains (recurrent models cannot branch in one forward)."""
+    why = None
+    if not callable(getattr(target, "compact", None)):
+        why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
+               "one forward)")
+    elif not getattr(proposer, "branches", False):
+        why = f"the draft {type(proposer).__name__} drafts chains only (trees come from lookup sources)"
+    if why is None:
+        return True
+    warnings.warn(f"tree_top_k={top_k}: {why}; this engine drafts chains", UserWarning, stacklevel=3)
+    return False
