@@ -245,6 +245,9 @@ def render() -> str:
                              f"{adaptive['drafted_per_step']:.2f} | "
                              f"{'yes' if fixed['identical'] and adaptive['identical'] else 'NO'} |")
             parts.append("")
+    path = RESULTS / "trees.json"
+    if path.is_file():
+        parts += render_trees(json.loads(path.read_text()))
     path = RESULTS / "engine.json"
     if path.is_file():
         parts += render_engine(json.loads(path.read_text()))
@@ -255,6 +258,27 @@ def render() -> str:
     if path.is_file():
         parts += batch_ray.render(json.loads(path.read_text()))
     return "\n".join(parts)
+
+
+def render_trees(report: dict) -> list[str]:
+    lookup = report["lookup"]
+    parts = [f"### {lookup['title']}\n", f"```\n{table(lookup).rstrip()}\n```\n",
+             "Acceptance per depth (kept / drafted at that depth): " + "; ".join(
+                 f"{m['name']}: {', '.join(f'{a:.2f}' for a in m['acceptance_per_depth'])}"
+                 for m in lookup["methods"] if m.get("acceptance_per_depth")) + "\n",
+             f"### Repeated tasks: {report['prompts']} prompts twice through one engine per method (batch 1, greedy, "
+             f"{report['max_new_tokens']} new tokens; trees of {report['nodes']} nodes, depth {report['depth']}, "
+             f"top-{report['top_k']})\n",
+             "| pass | method | tokens/s | speedup | median prompt speedup | tau | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, rows in report["repeated"].items():
+        if name.startswith("pass"):
+            for method, row in rows.items():
+                parts.append(f"| {name} | {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | "
+                             f"{row['median_prompt_speedup']:.2f}x | {row['tau']:.2f} | "
+                             f"{'yes' if row['identical'] else 'NO'} |")
+    parts.append("")
+    return parts
 
 
 def render_engine(report: dict) -> list[str]:
