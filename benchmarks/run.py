@@ -5,6 +5,7 @@
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
+    python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -33,6 +34,7 @@ from speculative.bench import batch_throughput, machine, plot, run_bench, table
 import batch_ray
 import qwen
 import serve_bench
+import trees
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -210,7 +212,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
             "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
             "batch-ray": lambda: batch_ray.section(save, prompts),
-            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True)}
+            "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
+            "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True)}
 TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
           "qwen-bfloat16")
 
@@ -253,6 +256,9 @@ def render() -> str:
                              f"{adaptive['drafted_per_step']:.2f} | "
                              f"{'yes' if fixed['identical'] and adaptive['identical'] else 'NO'} |")
             parts.append("")
+    path = RESULTS / "trees.json"
+    if path.is_file():
+        parts += render_trees(json.loads(path.read_text()))
     path = RESULTS / "engine.json"
     if path.is_file():
         parts += render_engine(json.loads(path.read_text()))
@@ -263,6 +269,27 @@ def render() -> str:
     if path.is_file():
         parts += batch_ray.render(json.loads(path.read_text()))
     return "\n".join(parts)
+
+
+def render_trees(report: dict) -> list[str]:
+    lookup = report["lookup"]
+    parts = [f"### {lookup['title']}\n", f"```\n{table(lookup).rstrip()}\n```\n",
+             "Acceptance per depth (kept / drafted at that depth): " + "; ".join(
+                 f"{m['name']}: {', '.join(f'{a:.2f}' for a in m['acceptance_per_depth'])}"
+                 for m in lookup["methods"] if m.get("acceptance_per_depth")) + "\n",
+             f"### Repeated tasks: {report['prompts']} prompts twice through one engine per method (batch 1, greedy, "
+             f"{report['max_new_tokens']} new tokens; trees of {report['nodes']} nodes, depth {report['depth']}, "
+             f"top-{report['top_k']})\n",
+             "| pass | method | tokens/s | speedup | median prompt speedup | tau | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, rows in report["repeated"].items():
+        if name.startswith("pass"):
+            for method, row in rows.items():
+                parts.append(f"| {name} | {method} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | "
+                             f"{row['median_prompt_speedup']:.2f}x | {row['tau']:.2f} | "
+                             f"{'yes' if row['identical'] else 'NO'} |")
+    parts.append("")
+    return parts
 
 
 def render_engine(report: dict) -> list[str]:

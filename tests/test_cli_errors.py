@@ -176,6 +176,8 @@ def test_k_beyond_the_models_length_is_refused():
     (["--seed", "-3"], ["argument --seed: must be an integer >= 0, got -3"]),
     (["--seed", str(2 ** 64)], ["seed must be None or an integer in 0..18446744073709551615"]),
     (["--batch-size", "0"], ["argument --batch-size: must be an integer >= 1, got 0"]),
+    (["--tree-top-k", "0"], ["argument --tree-top-k: must be an integer >= 1, got 0"]),
+    (["--tree-max-tokens", "x"], ["argument --tree-max-tokens: must be an integer >= 1, got 'x'"]),
     (["--device", "nonsense"], ["--device 'nonsense' is not a torch device; allowed: cpu, cuda"]),
     (["--device", "meta"], ["--device 'meta' holds no weights"]),
 ])

@@ -42,6 +42,9 @@ class ModelSpec:
     draft_temperature: float = 1.0
     ngram_min: int | None = None
     ngram_max: int | None = None
+    # Token trees (SpeculativeConfig.tree_top_k / tree_max_tokens).
+    tree_top_k: int = 1
+    tree_max_tokens: int = 16
     device: str = "cpu"
     dtype: str = "auto"
     draft_dtype: str = "auto"
@@ -57,7 +60,7 @@ class ModelSpec:
 
     def check(self) -> "ModelSpec":
         """A copy with the defaults resolved and the options checked, before any model loads."""
-        from .cli import ngram_sizes
+        from .cli import LOOKUPS, ngram_sizes
         from .inputs import check_device
         from .loading import PARTNERS
 
@@ -68,7 +71,7 @@ class ModelSpec:
         spec.draft = spec.draft or PARTNERS.get(spec.target, "ngram")
         ngram_sizes(spec, spec.draft)
         if spec.num_draft_tokens is None:
-            spec.num_draft_tokens = 10 if spec.draft == "ngram" else 4
+            spec.num_draft_tokens = 10 if spec.draft in LOOKUPS else 4
         if isinstance(spec.max_batch_size, bool) or not isinstance(spec.max_batch_size, int) or spec.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be an integer >= 1, got {spec.max_batch_size!r}")
         return spec
@@ -76,13 +79,14 @@ class ModelSpec:
     def load(self):
         """(engine, tokenizer): the models, loaded once per worker."""
         from . import Engine, SpeculativeConfig, load_model, load_tokenizer
-        from .cli import draft_vocab, make_draft
+        from .cli import LOOKUPS, draft_vocab, make_draft
         from .inputs import check_draft_width
         from .proposers import as_proposer
 
         config = SpeculativeConfig(num_draft_tokens=self.num_draft_tokens, draft_temperature=self.draft_temperature,
                                    adaptive=self.adaptive, prompt_lookup=self.draft.endswith("+ngram"),
-                                   min_ngram=self.ngram_min, max_ngram=self.ngram_max)
+                                   min_ngram=self.ngram_min, max_ngram=self.ngram_max, tree_top_k=self.tree_top_k,
+                                   tree_max_tokens=self.tree_max_tokens)
         target = load_model(self.target, device=self.device, dtype=self.dtype)
         tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(self.target)
         if self.draft == "none":
@@ -90,7 +94,7 @@ class ModelSpec:
         draft = make_draft(self.draft, self.device, self)
         for model, role in [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else []):
             check_draft_width(self.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
-        vocab = None if self.draft == "ngram" else draft_vocab(self, tokenizer)
+        vocab = None if self.draft in LOOKUPS else draft_vocab(self, tokenizer)
         proposer = as_proposer(draft, config, vocab)
         return Engine(target, proposer, config, max_batch_size=self.max_batch_size), tokenizer
 

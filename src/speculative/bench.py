@@ -79,6 +79,8 @@ class Result:
     peak_rss_delta_mb: float = 0.0
     identical: bool | None = None
     generated_tokens: int = 0
+    # Per depth d (1, 2, ...): kept / drafted at that depth (trees: rows whose tree reached it).
+    acceptance_per_depth: list[float] = field(default_factory=list)
 
 
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
@@ -117,12 +119,16 @@ def timed(method: Method, ids, max_new, eos) -> float:
 
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
               ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
-              peers: bool = True, lookup: tuple[str, ...] = (), log=print, draft_vocab=None) -> dict:
+              peers: bool = True, lookup: tuple[str, ...] = (), log=print, draft_vocab=None,
+              tree: tuple[int, int] | None = None) -> dict:
     """Benchmark every method; returns a JSON-able dict with one entry per method.
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
     first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
-    every draft model (None: all tokens). After a warm-up of every method, each of the
+    every draft model (None: all tokens). `tree` = (top_k, nodes) adds n-gram trees of that many
+    nodes (depth max(ks)), lookup trees for the `lookup` drafts, and an n-gram chain of the
+    same verify width (K = nodes). (A suffix cache needs one engine across prompts:
+    benchmarks/trees.py.) After a warm-up of every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
     the median over rounds of its speed (all prompts) over the baseline's in the same
@@ -132,8 +138,9 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
                                                                                             eos_token_id=e))]
 
-    def speculative(name, draft, draft_name, k, is_adaptive):
-        config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup)
+    def speculative(name, draft, draft_name, k, is_adaptive, **trees):
+        config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup,
+                                   **trees)
         vocab = None if hasattr(draft, "propose") else draft_vocab
         decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
         methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=is_adaptive),
@@ -150,6 +157,15 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
         if adaptive:
             speculative(f"ngram adaptive (K<={max(ks)})", NGramProposer(num_draft_tokens=max(ks)), "ngram", max(ks),
                         True)
+    if tree is not None:
+        top_k, nodes = tree
+        shape = dict(tree_top_k=top_k, tree_max_tokens=nodes)
+        speculative(f"ngram chain K={nodes}", NGramProposer(num_draft_tokens=nodes), "ngram", nodes, False)
+        speculative(f"ngram tree top-{top_k} {nodes} nodes", NGramProposer(num_draft_tokens=max(ks)), "ngram",
+                    max(ks), False, **shape)
+        for name, draft in drafts.items():
+            if name in lookup:
+                speculative(f"{name} tree top-{top_k} {nodes} nodes", draft, name, max(ks), False, **shape)
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
@@ -216,6 +232,7 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
             result.acceptance_rate = stats.acceptance_rate
             result.conditional_acceptance = stats.conditional_acceptance
             result.tokens_per_forward = stats.tokens_per_forward
+            result.acceptance_per_depth = [round(a / d, 3) for a, d in zip(stats.accepted_at, stats.drafted_at) if d]
             decode = stats.total_seconds - stats.prefill_seconds
             result.draft_share = stats.draft_forward_seconds / decode
             result.verify_share = stats.target_forward_seconds / decode

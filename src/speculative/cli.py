@@ -23,6 +23,17 @@ def stats_line(stats, seconds: float) -> str:
             f"{stats.acceptance_rate:.2f} | {stats.tokens_per_forward:.2f} tokens per target forward]")
 
 
+LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and lookup plus the engine's suffix cache
+
+
+def add_trees(p) -> None:
+    """--tree-top-k and --tree-max-tokens (token trees), shared by generate, bench, batch and serve."""
+    p.add_argument("--tree-top-k", type=integer(1), default=1, help="token trees: children tried per node; 1 = "
+                   "chains (default: %(default)s). Trees come from lookup drafts (ngram, suffix, MODEL+ngram)")
+    p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="token trees: most drafted nodes per "
+                   "row and step (default: %(default)s)")
+
+
 def draft_model_name(name: str) -> str:
     """The model behind a --draft value: 's4d' is the shipped S4D draft, '+ngram' is dropped."""
     name = name.removesuffix("+ngram")
@@ -38,6 +49,11 @@ def make_draft(name: str, device: str, args):
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
+    if name == "suffix":
+        from .proposers import SuffixProposer
+
+        return SuffixProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
+                              num_draft_tokens=args.num_draft_tokens)
     return load_draft(draft_model_name(name), device=device, dtype=args.draft_dtype)
 
 
@@ -73,9 +89,9 @@ def draft_vocab(args, tokenizer):
 
 def ngram_sizes(args, draft_name: str) -> None:
     """--ngram-min/--ngram-max serve n-gram drafting (ngram, MODEL+ngram); refused elsewhere."""
-    if draft_name != "ngram" and not draft_name.endswith("+ngram"):
+    if draft_name not in LOOKUPS and not draft_name.endswith("+ngram"):
         if args.ngram_min is not None or args.ngram_max is not None:
-            raise ValueError(f"--ngram-min/--ngram-max apply to n-gram drafting (--draft ngram or MODEL+ngram), "
+            raise ValueError(f"--ngram-min/--ngram-max apply to n-gram drafting (--draft ngram, suffix or MODEL+ngram), "
                              f"not to --draft {draft_name}")
     args.ngram_min = 1 if args.ngram_min is None else args.ngram_min
     args.ngram_max = max(4, args.ngram_min) if args.ngram_max is None else args.ngram_max
@@ -94,8 +110,9 @@ def add_generate(sub) -> None:
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
                    "preset: default, gemma-3-270m (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
-                   "draft), 'ngram' (prompt lookup, no draft model), or a model followed by '+ngram' (prompt "
-                   "lookup first, the model where lookup finds nothing). Default: default-draft+ngram for the "
+                   "draft), 'ngram' (prompt lookup, no draft model), 'suffix' (lookup plus earlier outputs of "
+                   "this run), or a model followed by '+ngram' (prompt lookup first, the model where lookup "
+                   "finds nothing). Default: default-draft+ngram for the "
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
@@ -121,6 +138,7 @@ def add_generate(sub) -> None:
     p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up by n-gram "
                    "drafting (--draft ngram or MODEL+ngram; default: 4)")
     p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    add_trees(p)
     p.add_argument("--batch-size", type=integer(1), default=8, help="prompts decoded together from a .jsonl "
                    "--prompt-file (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
@@ -140,7 +158,7 @@ def run_generate(args) -> int:
     draft_name = args.draft or PARTNERS.get(args.target, "ngram")
     ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
-        args.num_draft_tokens = 10 if draft_name == "ngram" else 4
+        args.num_draft_tokens = 10 if draft_name in LOOKUPS else 4
     lines = text = None
     if args.prompt_file and is_jsonl(args.prompt_file):
         lines = read_jsonl(args.prompt_file, "--prompt-file")
@@ -154,11 +172,12 @@ def run_generate(args) -> int:
                                draft_temperature=args.draft_temperature,
                                greedy_verification=args.temperature == 0, top_k=args.top_k, top_p=args.top_p,
                                seed=args.seed, adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"),
-                               min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+                               min_ngram=args.ngram_min, max_ngram=args.ngram_max, tree_top_k=args.tree_top_k,
+                               tree_max_tokens=args.tree_max_tokens)
     target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(draft_name, device, args)
-    vocab = None if draft_name == "ngram" else draft_vocab(args, tokenizer)
+    vocab = None if draft_name in LOOKUPS else draft_vocab(args, tokenizer)
     models = [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else [])
     for model, role in models:
         check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
@@ -221,6 +240,7 @@ def add_drafting(p) -> None:
                    "requests; changes speed only (default: %(default)s)")
     p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
     p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    add_trees(p)
 
 
 def add_batch(sub) -> None:
@@ -267,7 +287,8 @@ def run_batch(args) -> int:
         raise ValueError("--actors and --threads-per-actor apply with --ray")
     spec = ModelSpec(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                      adaptive=not args.fixed_k, draft_temperature=args.draft_temperature, ngram_min=args.ngram_min,
-                     ngram_max=args.ngram_max, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                     ngram_max=args.ngram_max, tree_top_k=args.tree_top_k, tree_max_tokens=args.tree_max_tokens,
+                     device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
                      draft_vocab=args.draft_vocab, draft_vocab_corpus=args.draft_vocab_corpus,
                      max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature)
@@ -364,6 +385,11 @@ def add_bench(sub) -> None:
     p.add_argument("--k", type=integer_list, default=(1, 2, 4, 8), help="fixed K values, comma separated "
                    "(default: 1,2,4,8)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
+    p.add_argument("--tree-top-k", type=integer(2), default=None, help="also token trees with this many children "
+                   "per node: n-gram trees (and MODEL+ngram drafts with lookup trees) of "
+                   "--tree-max-tokens nodes, against an n-gram chain of the same verify width")
+    p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="nodes per tree with --tree-top-k "
+                   "(default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")
     p.add_argument("--no-peers", action="store_true", help="leave out transformers' own methods")
     p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
@@ -434,7 +460,8 @@ def run_bench(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
-                   peers=not args.no_peers, lookup=tuple(lookup), log=log, draft_vocab=draft_vocab(args, tokenizer))
+                   peers=not args.no_peers, lookup=tuple(lookup), log=log, draft_vocab=draft_vocab(args, tokenizer),
+                   tree=None if args.tree_top_k is None else (args.tree_top_k, args.tree_max_tokens))
     report["target"] = args.target
     print(table(report))
     if args.plot:

@@ -49,9 +49,16 @@ class SpeculativeConfig:
     # With prompt_lookup: the shortest and longest n-grams looked up (longest first).
     min_ngram: int = 1
     max_ngram: int = 4
+    # Token trees: children tried per tree node (1 = chains, today's drafts). Above 1, sources
+    # that can branch (n-gram lookup, the suffix cache) draft trees of at most
+    # `tree_max_tokens` nodes and depth `num_draft_tokens`, verified in one target forward
+    # (tree.py); models that cannot branch (recurrent ones) and sources that cannot keep chains.
+    tree_top_k: int = 1
+    # Token trees: the most drafted nodes per row and step (the tree's verify width less one).
+    tree_max_tokens: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("num_draft_tokens", "min_ngram", "max_ngram"):
+        for name in ("num_draft_tokens", "min_ngram", "max_ngram", "tree_top_k", "tree_max_tokens"):
             self._set(name, integer(getattr(self, name), name, low=1))
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"n-gram sizes need min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
@@ -77,6 +84,11 @@ class SpeculativeConfig:
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # normalizes numpy scalars to Python ones
+
+    @property
+    def trees(self) -> bool:
+        """Whether drafts may branch (tree_top_k > 1)."""
+        return self.tree_top_k > 1
 
     @property
     def sampling(self) -> bool:

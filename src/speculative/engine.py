@@ -20,7 +20,12 @@ Glossary (one name per concept, here and in rows.py, proposers/ and adaptive.py)
 - retire: a finished row leaves ("length", "stop" or "abort"); its slot is refilled at the
   next step.
 
-A step runs six phases: 1 admit, 2 plan, 3 draft, 4 verify, 5 commit, 6 retire.
+- tree: a draft that branches (tree.py, `tree_top_k` > 1): lookup sources draft trees, a
+  draft model chains; one target forward verifies every row's tree, and the accepted
+  path's cache entries are compacted into place.
+
+A step runs six phases: 1 admit, 2 plan, 3 draft, 4 verify, 5 commit, 6 retire (a tree
+step: 2-5 in `_tree_step`, with a fixed plan).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from .rows import RequestOutput, Row, SamplingParams
 from .sampling import GREEDY, Sampler
 from .stats import DecodeStats, RequestStats
 from .text import same_vocabulary
-from .verify import verify_rows
+from .tree import Tree, can_branch, tree_inputs
+from .verify import tree_verify_rows, verify_rows
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
 LEARNING = threading.Lock()
@@ -105,6 +111,9 @@ class Engine:
         if policy is None and config.adaptive and draft is not None:
             policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, self.proposer.model))
         self.policy = policy or self.fixed
+        self.trees = config.trees and draft is not None and can_branch(target, self.proposer, config.tree_top_k)
+        # Slots a step may feed beyond a row's sequence: the widest draft.
+        self.width = max(config.num_draft_tokens, config.tree_max_tokens) if self.trees else config.num_draft_tokens
         self.stats = DecodeStats()
         self.totals = totals
         self.waiting: deque[Row] = deque()
@@ -196,7 +205,10 @@ class Engine:
         with torch.inference_mode():
             self._admit(stats, outputs)                                          # 1 admit
             rows = self.running
-            if rows:
+            if rows and self.trees:
+                self._tree_step(rows, stats, outputs)                                # 2-5 as a tree
+                self._retire({i for i, row in enumerate(rows) if row.finished})      # 6 retire
+            elif rows:
                 sequences = [row.sequence for row in rows]
                 policy, caps, lookups, preferred, plan = self._plan(rows, sequences, stats)           # 2 plan
                 proposal, limits, ran, draft_seconds = self._draft(sequences, caps, lookups, preferred, plan,
@@ -237,7 +249,7 @@ class Engine:
             return
         started = self.clock()
         prompts = [row.sequence for row in joining]
-        capacity = max(len(p) + row.budget for p, row in zip(prompts, joining)) + self.config.num_draft_tokens + 1
+        capacity = max(len(p) + row.budget for p, row in zip(prompts, joining)) + self.width + 1
         if self.state is None:
             self.state = prefill(self.target, prompts, capacity)
         else:  # prefilled apart (only as long as the prompts), then added to the running rows
@@ -313,6 +325,53 @@ class Engine:
         stats.record_step(proposal.lengths, accepted)
         self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
         if ran:  # the draft model ran: it rolls back to what was kept
+            self.proposer.commit([row.sequence for row in rows])
+
+    def _tree_step(self, rows: list[Row], stats: DecodeStats, outputs: list) -> None:
+        """Plan, draft, verify and commit with trees: rows with a lookup tree take it (when
+        preferred to the draft model's chain), the draft model chains K tokens for the
+        others; one forward over every row's last token and nodes, each node seeing its
+        ancestors only; then each row keeps its accepted path."""
+        config, sequences = self.config, [row.sequence for row in rows]
+        caps = [max(0, min(config.num_draft_tokens, row.left - 1)) for row in rows]  # depths a row can use
+        started = self.clock()
+        trees, preferred = self.proposer.free_trees(sequences, caps, config.tree_top_k, config.tree_max_tokens)
+        model = self.proposer.model is not None
+        take = [len(t) > 0 and (p or not model) for t, p in zip(trees, preferred)]
+        trees = [t if taken else Tree([], []) for t, taken in zip(trees, take)]
+        limits = [0 if taken or not model else cap for taken, cap in zip(take, caps)]
+        draft_probs = None
+        if max(limits) > 0:
+            self.proposer.catch_up(sequences)
+            caught_up = self.clock()
+            drafted = self.proposer.propose(sequences, limits)
+            stats.draft_forward_seconds += self.clock() - caught_up
+            for b, (chain, length) in enumerate(zip(drafted.tokens.tolist(), drafted.lengths)):
+                if limits[b]:
+                    trees[b] = Tree.chain(chain[:length])
+            if drafted.probs is not None:
+                draft_probs = [drafted.probs[b, :len(t)] if limits[b] else None for b, t in enumerate(trees)]
+        stats.draft_seconds += self.clock() - started
+        started = self.clock()
+        starts = [len(seq) - 1 for seq in sequences]
+        tokens, positions, mask, counts = tree_inputs(trees, [seq[-1] for seq in sequences], starts,
+                                                      self.target.device)
+        logits = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask)  # (B, 1+N, V)
+        stats.target_forward_seconds += self.clock() - started
+        paths, extra = tree_verify_rows(trees, draft_probs, logits.float(), [row.sampler for row in rows],
+                                        [row.target_generator for row in rows])
+        self.target.compact(self.state, starts, [[0] + [node + 1 for node in path] for path in paths])
+        stats.verify_seconds += self.clock() - started
+        for row, tree, path, token in zip(rows, trees, paths, extra):
+            output = row.commit([tree.tokens[node] for node in path] + [token], len(tree), len(path))
+            stats.generated += len(output.new_token_ids)
+            outputs.append((row.number, output))
+            if row.finished:
+                self._forget(row)
+        stats.target_forwards += 1
+        stats.record_step([max(t.depths(), default=0) for t in trees], [len(p) for p in paths], list(map(len, trees)))
+        self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
+        if max(limits) > 0:
             self.proposer.commit([row.sequence for row in rows])
 
     def _retire(self, leaving: set[int]) -> None:

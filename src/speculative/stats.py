@@ -61,15 +61,17 @@ class DecodeStats:
     def tokens_per_second(self) -> float:
         return self.generated / self.total_seconds if self.total_seconds else 0.0
 
-    def record_step(self, drafted: list[int], accepted: list[int]) -> None:
-        """Count one verification step: per row, how many were drafted and kept."""
+    def record_step(self, drafted: list[int], accepted: list[int], nodes: list[int] | None = None) -> None:
+        """Count one verification step: per row, how many were drafted and kept. For trees,
+        `drafted` is each tree's depth (positions reached, for acceptance per depth) and
+        `nodes` its drafted tokens."""
         width = max(drafted, default=0)
         if len(self.drafted_at) < width:
             grow = width - len(self.drafted_at)
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
-        for n, a in zip(drafted, accepted):
-            self.drafted += n
+        for n, a, m in zip(drafted, accepted, nodes or drafted):
+            self.drafted += m
             self.accepted += a
             self.reached += min(n, a + 1)
             for i in range(n):

@@ -4,6 +4,29 @@ Every step emits, per row, output = accepted + one more token: the *recovered* t
 the first rejection, or the *bonus* token when all drafted tokens were accepted. Row i of
 the target's (K+1)-row logits is the distribution that follows the committed prefix and
 the first i drafted tokens, so row `accepted` is where the extra token comes from.
+
+Token trees (tree.py) have one logits row per node (row 0: the last committed token, row
+i + 1: node i) and keep a path instead of a prefix:
+
+- Greedy: the longest root-to-leaf path whose every token is the target's argmax at its
+  parent, then the argmax at the path's end. Siblings carry distinct tokens, so at most
+  one child of a node matches: the path is what plain greedy decoding would emit.
+- Sampling (multi-draft speculative sampling, SpecInfer, arXiv 2305.09781): start at the
+  root with p = the target's distribution there. Try the node's children in order: child
+  c, drawn from q_c, is accepted with probability min(1, p(x_c) / q_c(x_c)); on rejection
+  p <- norm(max(0, p - q_c)) and the next child is tried. An accepted child becomes the
+  node (p reset to the target's distribution at it); when every child is rejected, the
+  extra token is drawn from the final p. Exact: one try emits x_c with probability
+  min(p, q_c)(x) and otherwise passes on the residual, so by induction over the children
+  the token emitted at a node (accepted child or final draw) follows p, provided each
+  child's token is independent of the earlier tries' coins given the tokens before it:
+  siblings drawn i.i.d. from one q (SpecInfer), or deterministic candidates such as n-gram
+  branches and top-k children, whose q_c is one-hot on x_c. For those the rule becomes
+  sampling without replacement: accept x_c with probability p(x_c), else remove x_c from
+  p and renormalise, so candidate j is emitted with probability exactly p(x_j). (Siblings
+  sampled *without* replacement from a model would need the other rule of that name;
+  no source here drafts them.) The path continues below the accepted child with the
+  target's own distribution there, as in the chain rule.
 """
 
 from __future__ import annotations
@@ -12,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .sampling import Sampler, row_probabilities, sample, uniform
+from .tree import Tree
 
 
 def accept_reject(draft_tokens, verifier_tokens) -> torch.Tensor:
@@ -121,3 +145,80 @@ def verify_rows(draft_tokens: torch.Tensor, draft_lengths: list[int], draft_prob
         for i, a, x in zip(rows, kept.tolist(), nxt.tolist()):
             accepted[i], extra[i] = a, x
     return accepted, extra
+
+
+def greedy_tree_verify(trees: list[Tree], target_logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """Per row the accepted path (node indices) and the target's argmax after it.
+    target_logits (B, 1+N, V): row 0 the last committed token, row i + 1 node i."""
+    argmax = target_logits.argmax(-1).tolist()  # (B, 1+N)
+    paths, extra = [], []
+    for tree, best in zip(trees, argmax):
+        depth = {-1: 0}  # accepted nodes and their depth
+        deepest = -1
+        for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            if parent in depth and token == best[parent + 1]:
+                depth[i] = depth[parent] + 1
+                if depth[i] > depth[deepest]:
+                    deepest = i
+        paths.append(tree.path(deepest))
+        extra.append(best[deepest + 1])
+    return paths, extra
+
+
+def tree_rejection_walk(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                        generator: torch.Generator | None) -> tuple[list[int], int]:
+    """One row's multi-draft speculative sampling (the rule in the module docstring).
+
+    draft_probs (N, V): q_c of each node (the distribution it was drawn from), or None when
+    every node is deterministic (q one-hot). target_probs (1+N, V). Returns the accepted
+    path and the extra token."""
+    path, p = walk_tree(tree, draft_probs, target_probs, generator)
+    return path, int(sample(p[None], [generator])[0])
+
+
+def walk_tree(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+              generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    """The accepted path and the distribution (V,) the extra token is drawn from."""
+    children = tree.children()
+    node, path = 0, []
+    device = target_probs.device
+    while True:
+        p = target_probs[node]
+        for child in children[node]:
+            x = tree.tokens[child]
+            q = None if draft_probs is None else draft_probs[child]
+            u = float(torch.rand(1, generator=generator, device=device))
+            if u * (1.0 if q is None else float(q[x])) < float(p[x]):
+                break
+            if q is None:  # max(0, p - one_hot(x)): p without x
+                residual = p.clone()
+                residual[x] = 0
+            else:
+                residual = (p - q).clamp(min=0)
+            mass = residual.sum()
+            p = residual / mass if mass > 0 else p  # p == q up to rounding: p is then exact
+        else:
+            return path, p
+        path.append(child)
+        node = child + 1
+
+
+def tree_verify_rows(trees: list[Tree], draft_probs: list[torch.Tensor | None] | None, target_logits: torch.Tensor,
+                     samplers: list[Sampler], generators: list[torch.Generator]) -> tuple[list[list[int]], list[int]]:
+    """Each row's tree by its own rule: greedy rows the longest argmax path, sampled rows the
+    multi-draft rule with p shaped by their own settings. draft_probs: per row q per node
+    (N_b, V) or None (deterministic drafts). target_logits (B, 1+N, V), float32."""
+    paths, extra = greedy_tree_verify(trees, target_logits)
+    sampled = [i for i, s in enumerate(samplers) if not s.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=target_logits.device)
+        p = row_probabilities(target_logits[index], [samplers[i] for i in sampled])  # (S, 1+N, V)
+        finals = []
+        for row, probs in zip(sampled, p):
+            q = None if draft_probs is None else draft_probs[row]
+            paths[row], final = walk_tree(trees[row], q, probs, generators[row])
+            finals.append(final)
+        # One draw per row from its own generator, after its walk's: the same stream as one by one.
+        for row, token in zip(sampled, sample(torch.stack(finals), [generators[i] for i in sampled]).tolist()):
+            extra[row] = token
+    return paths, extra

@@ -17,7 +17,13 @@ The engine uses these operations:
   and a 262k-token output layer is costly); return_hidden=True also returns the final
   hidden states. `positions` (B, T) are the tokens' positions, apart from the cache slots
   they take (default: each row's next positions), so that a token tree can give siblings
-  one depth; a recurrent model only accepts the default.
+  one depth; a recurrent model only accepts the default. `tree` (B, T, T) bool, where a
+  model verifies token trees: which of this forward's tokens each token sees (its
+  ancestors and itself, `speculative.tree`); every token still sees its row's earlier slots.
+- `compact(state, starts, kept)` (models that verify trees): after a tree forward that
+  started row b at slot starts[b], keep only the slots starts[b] + kept[b][j], moved to
+  starts[b] + j (the accepted path), and end the row there. A model without it drafts
+  chains (an engine asked for trees says so once, when it is made).
 - `rollback(state, lengths)`: truncate row b to its first lengths[b] tokens. A model may
   only guarantee rollback over the short forwards (a speculative step's worth of tokens)
   made since its previous rollback: a recurrent model keeps the states it passed through
@@ -57,7 +63,8 @@ class LanguageModel(Protocol):
 
     def select_rows(self, state: Any, rows: list[int]) -> None: ...
 
-    # add_rows(state, new, capacity) and forward's return_hidden and positions: see above
+    # add_rows(state, new, capacity), compact(state, starts, kept) and forward's return_hidden,
+    # positions and tree: see above
     # (not required here, so that a minimal model still serves generate()).
 
 

@@ -249,7 +249,8 @@ class DecoderOnlyLM(nn.Module):
         return cos, sin
 
     def forward(self, tokens: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
-                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
+                tree: torch.Tensor | None = None):
         """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
         Token i of row b goes to cache slot lengths[b] + i and sees the slots before it;
@@ -257,6 +258,8 @@ class DecoderOnlyLM(nn.Module):
         slot). Without a state, scores the tokens as whole sequences from position 0
         (training). keep_logits=False skips the output projection (prompts need no logits);
         return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
+        `tree` (B, T, T) bool: which of this forward's tokens each token sees (a token tree's
+        ancestor mask, tree.py); every token still sees its row's earlier slots.
         """
         if state is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
@@ -292,13 +295,38 @@ class DecoderOnlyLM(nn.Module):
             def write(cache, new):
                 cache[rows, :, targets] = new.transpose(1, 2)
         # A query in slot s sees the keys in slots <= s (stale entries lie beyond).
-        mask = (torch.arange(keys, device=device)[None, None, :] <= slots[:, :, None]).unsqueeze(1)
+        if tree is None:
+            mask = (torch.arange(keys, device=device)[None, None, :] <= slots[:, :, None]).unsqueeze(1)
+        else:
+            mask = tree_mask(tree, torch.tensor(starts, device=device), keys).unsqueeze(1)
         x = self.embed_tokens(tokens)
         for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
             x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
         return output(self.lm_head, self.norm(x), keep_logits, return_hidden)
 
+    @torch.inference_mode()
+    def compact(self, state: KVState, starts: list[int], kept: list[list[int]]) -> None:
+        """After a tree step: row b keeps the entries of slots starts[b] + kept[b][j], moved to
+        slots starts[b] + j (their rotary positions already are those slots), and ends there."""
+        for b, (start, keep) in enumerate(zip(starts, kept)):
+            if keep != list(range(len(keep))):
+                src = torch.tensor(keep, device=self.device) + start
+                dst = torch.arange(start, start + len(keep), device=self.device)
+                for buffer in state.keys + state.values:
+                    buffer[b, :, dst] = buffer[b, :, src]
+            state.lengths[b] = start + len(keep)
+
     def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
         """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
         return OutputHead(self.lm_head, token_ids)
+
+
+def tree_mask(tree: torch.Tensor, starts: torch.Tensor, keys: int) -> torch.Tensor:
+    """(B, T, keys) attention mask: row b's earlier slots (< starts[b]), and among this
+    forward's slots starts[b] + j the ones `tree` (B, T, T) allows."""
+    batch, width, _ = tree.shape
+    offset = torch.arange(keys, device=tree.device)[None, :] - starts[:, None]  # (B, keys)
+    inside = (offset >= 0) & (offset < width)
+    picked = tree.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, keys))
+    return (offset < 0)[:, None, :] | (picked & inside[:, None, :])

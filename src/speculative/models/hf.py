@@ -30,6 +30,7 @@ class HFState:
         # Per slot: whether the row keeps it, and the row's position of the token in it.
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (B, S)
         self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, S)
+        self.last_width = 0  # tokens the last forward appended (the slots `compact` chooses among)
 
 
 class HFModel:
@@ -86,13 +87,15 @@ class HFModel:
     def new_state(self, batch_size: int, capacity: int | None = None) -> HFState:
         return HFState(_empty_cache(), batch_size, self.device)
 
-    def _masks(self, state: HFState, positions: torch.Tensor):
+    def _masks(self, state: HFState, positions: torch.Tensor, tree: torch.Tensor | None = None):
         """Additive masks (B, 1, T, S+T) for new tokens at `positions` (B, T): each sees the
-        slots its row keeps at earlier positions, and the new tokens up to itself."""
+        slots its row keeps at earlier positions, and the new tokens up to itself (with a
+        token tree (B, T, T): the new tokens `tree` allows, its ancestors and itself)."""
         batch, width = positions.shape
         cached = state.valid[:, None, :] & (state.positions[:, None, :] <= positions[:, :, None])  # (B, T, S)
-        causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
-        visible = torch.cat([cached, causal.expand(batch, width, width)], 2)  # (B, T, S+T)
+        if tree is None:
+            tree = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril().expand(batch, -1, -1)
+        visible = torch.cat([cached, tree], 2)  # (B, T, S+T)
         keys_pos = torch.cat([state.positions, positions], 1)
         blocked = torch.finfo(self.dtype).min
 
@@ -107,9 +110,11 @@ class HFModel:
         return masks, keys_pos
 
     def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
-                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
+                keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
+                tree: torch.Tensor | None = None):
         """As the protocol says: float32 logits (B, T, V); `positions` (B, T) default to each
-        row's next positions; return_hidden=True also returns the final hidden states (B, T, H)."""
+        row's next positions; return_hidden=True also returns the final hidden states (B, T, H);
+        `tree` (B, T, T): which new tokens each new token sees (a token tree's ancestor mask)."""
         batch, width = tokens.shape
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device
@@ -117,7 +122,7 @@ class HFModel:
             positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
         elif tuple(positions.shape) != (batch, width):
             raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
-        masks, keys_pos = self._masks(state, positions)
+        masks, keys_pos = self._masks(state, positions, tree)
         mask = masks if len(self.layer_types) > 1 else masks["full_attention"]
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self._cache_arg: state.cache})
@@ -132,7 +137,20 @@ class HFModel:
         state.valid = torch.cat([state.valid, kept], 1)
         state.positions = keys_pos
         state.lengths = [n + c for n, c in zip(state.lengths, counts)]
+        state.last_width = width
         return (logits, hidden) if return_hidden else logits
+
+    def compact(self, state: HFState, starts: list[int], kept: list[list[int]]) -> None:
+        """After a tree forward: row b keeps only the slots of nodes kept[b] (offsets into
+        that forward; their positions already are starts[b] + depth); the others become
+        holes, which later compaction or cropping removes."""
+        first = state.valid.shape[1] - state.last_width
+        keep = torch.zeros(len(kept), state.last_width, dtype=torch.bool, device=state.valid.device)
+        for b, offsets in enumerate(kept):
+            keep[b, offsets] = True
+        state.valid[:, first:] &= keep
+        state.lengths = [start + len(offsets) for start, offsets in zip(starts, kept)]
+        self._crop(state)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (B, T, V) from final hidden states, for models with a plain output layer."""

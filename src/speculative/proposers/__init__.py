@@ -4,6 +4,7 @@ from .base import NoDraft, Proposal, Proposer, merge_drafts
 from .draft_model import DraftModelProposer
 from .hybrid import HybridProposer
 from .ngram import NGramProposer
+from .suffix import SuffixProposer
 
 
 def as_proposer(draft, config, vocab=None) -> Proposer:
@@ -23,4 +24,4 @@ def as_proposer(draft, config, vocab=None) -> Proposer:
 
 
 __all__ = ["Proposal", "Proposer", "NoDraft", "DraftModelProposer", "HybridProposer", "NGramProposer",
-           "as_proposer", "merge_drafts"]
+           "SuffixProposer", "as_proposer", "merge_drafts"]

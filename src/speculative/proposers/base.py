@@ -15,6 +15,12 @@ engine asks of it; the engine never inspects its type. Per step:
 - `commit(sequences)`: the sequences as committed after verification, so that the draft
   model rolls back to what still holds; called only in steps where `propose` ran.
 
+Token trees (optional): a proposer whose free drafts can branch says `branches = True` and
+answers `free_trees(sequences, limits, top_k, max_nodes)`: per row a `tree.Tree` (depth at
+most limits[b], at most top_k children per node and max_nodes nodes) and whether it is
+preferred, as `free_drafts`. One without `branches` drafts chains, and an engine asked for
+trees says so when it is made.
+
 Rows join with `add_rows(prompts, capacity, samplers, generators)` (the draft's sampling
 settings and random stream per row) and leave with `select_rows(rows)`. `fork()` gives a
 proposer with the same models and settings and no rows: every engine drafts with its own,

@@ -39,6 +39,13 @@ class HybridProposer:
         drafts, matched = self.ngram.lookup(sequences, limits)
         return drafts, [n >= self.min_match for n in matched]
 
+    branches = True  # lookup trees in front of the draft model's chains
+
+    def free_trees(self, sequences: list[list[int]], limits: list[int], top_k: int, max_nodes: int):
+        """Per row: the lookup's tree, and whether its match is long enough to be preferred."""
+        trees, matched = self.ngram.branch_lookup(sequences, limits, top_k, max_nodes)
+        return trees, [n >= self.min_match for n in matched]
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         self.drafter.catch_up(sequences)
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import copy
 
 from ..models.base import pad
+from ..tree import Tree, from_branches
 from .base import Proposal
+
+# Earlier occurrences of a suffix that contribute branches to a tree (the most recent ones).
+MAX_BRANCHES = 64
 
 
 class _RowIndex:
@@ -20,6 +24,9 @@ class _RowIndex:
         self.min_n, self.max_n = min_n, max_n
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0
+        # For trees (built on first use): where each n-gram ended, every time, oldest first.
+        self.all_ends: dict[tuple[int, ...], list[int]] = {}
+        self.all_indexed = 0
 
     def update(self, seq: list[int], upto: int) -> None:
         """Index every n-gram that ends at a position in [indexed, upto)."""
@@ -27,6 +34,19 @@ class _RowIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.last_end[tuple(seq[end - n:end])] = end
         self.indexed = max(self.indexed, upto)
+
+    def occurrences(self, seq: list[int]) -> tuple[list[int], int]:
+        """(ends of every earlier match of the longest suffix that has one, most recent
+        first, at most MAX_BRANCHES; its length n) or ([], 0)."""
+        for end in range(max(self.all_indexed, 1), len(seq)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.all_ends.setdefault(tuple(seq[end - n:end]), []).append(end)
+        self.all_indexed = max(self.all_indexed, len(seq))
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            ends = self.all_ends.get(tuple(seq[len(seq) - n:]))
+            if ends:
+                return ends[:-MAX_BRANCHES - 1:-1], n
+        return [], 0
 
     def lookup(self, seq: list[int]) -> tuple[int, int]:
         """(end of the most recent earlier match of the longest suffix, its length n) or (-1, 0)."""
@@ -50,6 +70,7 @@ class NGramProposer:
 
     vocab_size = None  # proposes ids taken from the row itself
     model = None
+    branches = True  # drafts trees (free_trees)
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = 10, min_draft: int = 2):
         if not 1 <= min_ngram <= max_ngram:
@@ -88,6 +109,30 @@ class NGramProposer:
             drafts.append(seq[end:end + min(k, budget)])
             matched.append(n)
         return drafts, matched
+
+    def free_trees(self, sequences: list[list[int]], limits: list[int], top_k: int,
+                   max_nodes: int) -> tuple[list[Tree], list[bool]]:
+        """Every row's lookup tree, always taken (there is no model to prefer)."""
+        return self.branch_lookup(sequences, limits, top_k, max_nodes)[0], [True] * len(sequences)
+
+    def branch_lookup(self, sequences: list[list[int]], limits: list[int], top_k: int,
+                      max_nodes: int) -> tuple[list[Tree], list[int]]:
+        """Per row: a tree of what followed every earlier occurrence of its longest matched
+        suffix (shared prefixes merged, branches ranked by how often they occur, the most
+        recent first among equals), and the length n of that suffix (0: none). Depth as for
+        a chain draft, at most limits[b]."""
+        trees, matched = [], []
+        for index, seq, limit in zip(self.rows, sequences, limits):
+            k = min(limit, self.num_draft_tokens)
+            ends, n = index.occurrences(seq) if k > 0 else ([], 0)
+            depth = min(k, max(self.min_draft, (k * n) // self.max_ngram))
+            trees.append(from_branches(self.continuations(seq, ends, depth), top_k, max_nodes, depth))
+            matched.append(n)
+        return trees, matched
+
+    @staticmethod
+    def continuations(seq: list[int], ends: list[int], depth: int) -> list[list[int]]:
+        return [seq[end:end + depth] for end in ends]
 
     def catch_up(self, sequences: list[list[int]]) -> None:
         pass

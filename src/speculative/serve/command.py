@@ -72,7 +72,7 @@ def build_engine(args):
     import torch
 
     from .. import Engine, SpeculativeConfig, load_model, load_tokenizer
-    from ..cli import draft_vocab, make_draft, ngram_sizes
+    from ..cli import LOOKUPS, draft_vocab, make_draft, ngram_sizes
     from ..inputs import check_device, check_draft_width
     from ..loading import PARTNERS
     from ..proposers import as_proposer
@@ -82,7 +82,7 @@ def build_engine(args):
     plain = draft_name == "none"
     ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
-        args.num_draft_tokens = 10 if draft_name == "ngram" else 4
+        args.num_draft_tokens = 10 if draft_name in LOOKUPS else 4
     template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -93,7 +93,8 @@ def build_engine(args):
         torch.set_num_threads(args.threads)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, draft_temperature=args.draft_temperature,
                                adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"),
-                               min_ngram=args.ngram_min, max_ngram=args.ngram_max)
+                               min_ngram=args.ngram_min, max_ngram=args.ngram_max, tree_top_k=args.tree_top_k,
+                               tree_max_tokens=args.tree_max_tokens)
     target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     tokenizer.chat_template = template or tokenizer.chat_template
@@ -102,7 +103,7 @@ def build_engine(args):
     for model, role in zip(models, ("target", "draft")):
         check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
     if draft is not None:
-        vocab = None if draft_name == "ngram" else draft_vocab(args, tokenizer)
+        vocab = None if draft_name in LOOKUPS else draft_vocab(args, tokenizer)
         draft = as_proposer(draft, config, vocab)
     engine = Engine(target, draft, config, max_batch_size=args.max_batch_size)
     limits = [m.max_seq_len for m in models if m.max_seq_len]

@@ -1,0 +1,89 @@
+"""Token trees (issue 15): trees against chains of the same verify width, and plain decoding.
+
+Two parts, on the shipped pair's verifier (fast here; no Gemma download needed):
+
+- `lookup`: code completion with n-gram drafts: a chain of K = 8, a chain of K = 16 (the
+  trees' verify width), and n-gram trees of 16 nodes, depth 8, top-3 children (run_bench:
+  interleaved rounds, medians, identical outputs).
+- `repeated`: a repeated-task workload: the same prompts twice, one after another, through
+  one long-lived engine per method (batch 1): plain decoding, n-gram trees, and suffix-cache
+  trees (lookup in the row plus the engine's earlier outputs). Every prompt is run by every
+  method in turn (interleaved), passes timed apart; speed-ups are per pass, against plain
+  decoding in the same pass. tau = tokens per target forward; alpha per depth = kept /
+  drafted at that depth.
+"""
+
+import statistics
+import time
+
+from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, SuffixProposer, load_model, \
+    load_tokenizer
+from speculative.bench import run_bench
+
+MAX_NEW = 96
+NODES, DEPTH, TOP_K = 16, 8, 3
+
+
+def engine_pass(engine, prompts):
+    """(seconds per prompt, outputs) of each prompt run alone through `engine`."""
+    seconds, outputs = [], []
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+        started, tokens = time.perf_counter(), []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        seconds.append(time.perf_counter() - started)
+        outputs.append(tokens)
+    return seconds, outputs
+
+
+def repeated(target, prompts, passes=2) -> dict:
+    tree = SpeculativeConfig(num_draft_tokens=DEPTH, tree_top_k=TOP_K, tree_max_tokens=NODES, adaptive=False)
+    engines = {"plain": Engine(target, None, max_batch_size=1),
+               f"ngram tree top-{TOP_K} {NODES} nodes": Engine(target, NGramProposer(num_draft_tokens=DEPTH), tree, 1),
+               f"suffix tree top-{TOP_K} {NODES} nodes": Engine(target, SuffixProposer(num_draft_tokens=DEPTH), tree, 1)}
+    warm = Engine(target, NGramProposer(num_draft_tokens=DEPTH), tree, 1)
+    engine_pass(warm, prompts[:1])  # warm-up on a separate engine: the suffix caches stay empty
+    report = {}
+    for number in range(1, passes + 1):
+        seconds = {name: [] for name in engines}
+        outputs = {name: [] for name in engines}
+        before = {name: (e.stats.generated, e.stats.target_forwards) for name, e in engines.items()}
+        for prompt in prompts:  # every method on a prompt in turn: drift hits all alike
+            for name, engine in engines.items():
+                s, out = engine_pass(engine, [prompt])
+                seconds[name] += s
+                outputs[name] += out
+        plain_speed = sum(map(len, outputs["plain"])) / sum(seconds["plain"])
+        rows = {}
+        for name, engine in engines.items():
+            generated = engine.stats.generated - before[name][0]
+            forwards = engine.stats.target_forwards - before[name][1]
+            speed = sum(map(len, outputs[name])) / sum(seconds[name])
+            rows[name] = {"tokens_per_second": round(speed, 2), "speedup": round(speed / plain_speed, 3),
+                          "median_prompt_speedup": round(statistics.median(
+                              (len(o) / s) / (len(po) / ps) for o, s, po, ps in
+                              zip(outputs[name], seconds[name], outputs["plain"], seconds["plain"])), 3),
+                          "tau": round(generated / forwards, 3) if forwards else None,
+                          "identical": outputs[name] == outputs["plain"]}
+        report[f"pass {number}"] = rows
+        print(f"  pass {number}: " + ", ".join(f"{n} {r['speedup']:.2f}x (tau {r['tau']})" for n, r in rows.items()))
+    for name, engine in engines.items():
+        stats = engine.stats
+        report.setdefault("alpha_per_depth", {})[name] = [round(a / d, 3) for a, d in
+                                                          zip(stats.accepted_at, stats.drafted_at) if d]
+    return report
+
+
+def section(save, prompts, smoke: bool = False):
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    ids = prompts("code_completion.jsonl", tokenizer, limit=3 if smoke else 6, max_tokens=512 - MAX_NEW - NODES - 2)
+    lookup = run_bench(target, {}, ids, max_new=MAX_NEW, runs=1 if smoke else 2, ks=(DEPTH,), eos=None,
+                       adaptive=False, peers=False, tree=(TOP_K, NODES))
+    lookup["title"] = (f"Token trees on the shipped verifier, code completion (greedy, {MAX_NEW} new tokens): "
+                       f"n-gram trees ({NODES} nodes, depth {DEPTH}, top-{TOP_K}) against chains")
+    report = {"lookup": lookup, "repeated": repeated(target, ids), "prompts": len(ids), "max_new_tokens": MAX_NEW,
+              "nodes": NODES, "depth": DEPTH, "top_k": TOP_K}
+    save("trees-smoke" if smoke else "trees", report)
+    return report
