@@ -1,0 +1,135 @@
+"""Draft heads (EAGLE-style): exact output, exact distribution, save/load, refusal of another
+target, and a short training run that makes a head draft better than an untrained one."""
+
+import pytest
+import torch
+
+import speculative.proposers.draft_model as draft_model
+from speculative import Engine, SamplingParams, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
+from speculative.models.head import build_head, load_head, save_head
+from speculative.proposers import HeadProposer, HybridProposer
+from speculative.train.head import HeadTraining, head_loss, run_train_head
+from helpers import sharpen, tiny
+from test_lossless import DRAWS, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+
+
+def prompts(count, seed, vocab=64, low=1, high=40):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target and a head trained for it for 150 seeded steps on the target's own samples."""
+    target = sharpen(tiny("decoder_only", seed=1), 4.0)
+    starts = prompts(40, seed=0, low=4, high=5)
+    sampled = SpeculativeConfig(greedy_verification=False, main_temperature=1.0)
+    samples = autoregressive_generate(target, starts, 60, sampled, seeds=list(range(40)))
+    data = torch.tensor([t for p, s in zip(starts, samples) for t in p + s])
+    out = tmp_path_factory.mktemp("head")
+    cfg = HeadTraining(seconds=0, steps=150, lr=1e-2, seq_len=64, batch_size=8, bf16=False)
+    report = run_train_head(target, "tiny-1", data, prompts(6, seed=9, low=5, high=6), out, cfg)
+    return target, load_head(out / "head"), report, data
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(trained):
+    target, head, report, data = trained
+    untrained = build_head(target, "tiny-1", seed=0)
+    windows = data[:4 * 64].reshape(4, 64).long()
+    with torch.no_grad():
+        before = head_loss(untrained, target, target.output_head(), windows, 3)
+        after = head_loss(head, target, target.output_head(), windows, 3)
+    assert after < before - 0.02
+    assert report["trained"]["identical_to_target"] and report["untrained"]["identical_to_target"]
+    assert report["trained"]["acceptance_rate"] > report["untrained"]["acceptance_rate"] + 0.05
+    assert len(report["trained"]["acceptance_at"]) == 4 and report["trained"]["tokens_per_forward"] > 1.1
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_greedy_equals_autoregressive(trained, lookup):
+    target, head, _, _ = trained
+    batch = prompts(5, seed=3)
+    expected = autoregressive_generate(target, batch, 40)
+    for k, adaptive in ((1, False), (4, False), (4, True)):
+        decoder = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=k, adaptive=adaptive,
+                                                                     prompt_lookup=lookup))
+        assert decoder.generate(batch, 40) == expected, (k, adaptive)
+        for ids, reference in zip(batch[:2], expected):
+            assert decoder.generate(ids, 40) == reference
+        stats = decoder.stats
+        if not adaptive:  # both the rollback and the bonus paths were taken
+            assert 0 < stats.accepted < stats.drafted
+            assert stats.accepted_at[-1] > 0
+
+
+def test_rows_join_a_running_batch(trained):
+    """Requests wait for a free row and join with their prompts' features; each gets exactly
+    its reference tokens."""
+    target, head, _, _ = trained
+    batch = prompts(6, seed=5)
+    budgets = [10, 30, 20, 25, 5, 30]
+    proposer = HybridProposer(HeadProposer(head, target))
+    engine = Engine(target, proposer, SpeculativeConfig(num_draft_tokens=3, adaptive=False), max_batch_size=2)
+    for i, (ids, n) in enumerate(zip(batch, budgets)):
+        engine.add_request(ids, SamplingParams(max_new_tokens=n), request_id=i)
+    got = {i: [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    for i, (ids, n) in enumerate(zip(batch, budgets)):
+        assert got[i] == autoregressive_generate(target, ids, n), i
+    assert engine.stats.accepted > 0
+
+
+def test_save_and_load(trained, tmp_path):
+    target, head, _, _ = trained
+    save_head(head, tmp_path / "again")
+    loaded = load_head(tmp_path / "again")
+    assert loaded.cfg == head.cfg
+    embedded, features = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    torch.testing.assert_close(loaded(embedded, features), head(embedded, features), rtol=0, atol=0)
+    ids = prompts(1, seed=7)[0]
+    assert SpeculativeDecoder(target, loaded).generate(ids, 20) == autoregressive_generate(target, ids, 20)
+
+
+def test_refuses_another_target(trained, tmp_path):
+    _, head, _, _ = trained
+    other = tiny("decoder_only", seed=2)  # same sizes, other weights
+    with pytest.raises(ValueError, match=r"trained for tiny-1 .*not for the target .*weights differ"):
+        SpeculativeDecoder(other, head)
+    wider = tiny("decoder_only", seed=1, hidden_size=64)
+    with pytest.raises(ValueError, match=r"trained for tiny-1 \(hidden size 32, 64 tokens\).*hidden size 64 != 32"):
+        HeadProposer(head, wider)
+    with pytest.raises(FileNotFoundError, match="not a draft head directory"):
+        load_head(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    """A sharp 8-token target and a head scoring 5 of its tokens (q zero on the others)."""
+    target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 12.0)
+    head = build_head(target, "tiny-11", vocab_ids=[3, 0, 6, 1, 5], seed=4)
+    return target, head
+
+
+@pytest.mark.slow
+def test_sampling_with_a_reduced_vocabulary_is_lossless(sampling_pair):
+    target, head = sampling_pair
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
+    decoder = SpeculativeDecoder(target, head, config)
+    counts = draw(decoder)
+    assert counts.sum() == DRAWS
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
+
+
+@pytest.mark.slow
+def test_the_g_test_catches_a_lost_index_map(sampling_pair, monkeypatch):
+    """Negative control: q reported at ids 0..N-1 instead of the head's own ids."""
+    target, head = sampling_pair
+    monkeypatch.setattr(draft_model, "scatter_vocab",
+                        lambda q, vocab, size: q.new_zeros(q.shape[0], size).index_copy_(1, torch.arange(len(vocab)), q))
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
+    counts = draw(SpeculativeDecoder(target, head, config))
+    assert g_test_pvalue(counts, exact_joint(target, config)) < P_MIN
