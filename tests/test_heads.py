@@ -133,3 +133,33 @@ def test_the_g_test_catches_a_lost_index_map(sampling_pair, monkeypatch):
     config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
     counts = draw(SpeculativeDecoder(target, head, config))
     assert g_test_pvalue(counts, exact_joint(target, config)) < P_MIN
+
+
+def test_load_model_reads_a_head_directory(trained, tmp_path):
+    from speculative import load_model
+    from speculative.models.head import DraftHead
+
+    target, head, _, _ = trained
+    save_head(head, tmp_path / "h", weight_dtype=torch.float16)
+    loaded = load_model(tmp_path / "h")
+    assert isinstance(loaded, DraftHead) and loaded.cfg.target_name == "tiny-1"
+    with pytest.raises(ValueError, match="a draft head keeps the vocabulary it was trained with"):
+        SpeculativeDecoder(target, loaded, draft_vocab=[1, 2, 3])
+
+
+def test_train_head_refuses_bad_input(tmp_path, capsys):
+    from speculative.cli import main
+
+    cases = [(["--data", str(tmp_path / "missing.jsonl")], "neither 'stdlib' nor a JSON-lines file"),
+             (["--max-minutes", "0"], "--max-minutes"),
+             (["--vocab", "-1"], "--vocab")]
+    (tmp_path / "file").write_text("x")
+    cases.append((["--out", str(tmp_path / "file")], "is a file; give a directory"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')
+    cases.append((["--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")],
+                  'bad.jsonl line 2: expected an object with a "text" string or a "messages" list'))
+    for args, words in cases:
+        assert main(["train-head", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+    assert not (tmp_path / "o").exists()
