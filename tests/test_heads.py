@@ -163,3 +163,58 @@ def test_train_head_refuses_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and words in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_ship_only_for_the_default_target(capsys):
+    from speculative.cli import main
+
+    assert main(["train-head", "--target", "default-draft", "--ship"]) == 2
+    assert "--ship installs the preset default-head, a head for --target default" in capsys.readouterr().err
+
+
+class Recording(HeadProposer):
+    """Remembers each row's sequence and first drafted token at every propose."""
+
+    def __init__(self, head, target):
+        super().__init__(head, target)
+        self.seen = []
+
+    def propose(self, sequences, limits, min_confidence=None):
+        proposal = super().propose(sequences, limits, min_confidence)
+        self.seen += [(list(seq), int(tokens[0])) for seq, tokens, n in
+                      zip(sequences, proposal.tokens, limits) if n > 0]
+        return proposal
+
+
+def offline_first_draft(target, head, ids):
+    """The head's greedy first draft after `ids`, from one target forward over the whole sequence."""
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        _, hidden = target.forward(tokens, target.new_state(1, len(ids)), return_hidden=True)
+        previous = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)  # f_{t-1}
+        h = head(target.embed(tokens), previous)[:, -1]
+        return int(target.output_head(head.vocab_ids)(h.to(hidden.dtype)).argmax())
+
+
+def hf_llama(tmp_path):
+    pytest.importorskip("transformers")
+    from test_transformers import llama, saved
+
+    return saved(llama(1), tmp_path / "llama")
+
+
+@pytest.mark.parametrize("kind", ["decoder_only", "transformers"])
+def test_the_head_reads_the_features_of_its_positions(kind, tmp_path):
+    """Every draft the engine's head makes (after prompts, lookup drafts and rejections alike)
+    equals the head's draft over a fresh target forward of the whole sequence; and the
+    output is the target's own."""
+    target = tiny("decoder_only", seed=1) if kind == "decoder_only" else hf_llama(tmp_path)
+    head = build_head(target, kind, seed=3)
+    recording = Recording(head, target)
+    batch = [[5, 6, 7, 8] * 4 + [5], prompts(1, seed=4, vocab=64)[0], [9]]
+    decoder = SpeculativeDecoder(target, HybridProposer(recording),
+                                 SpeculativeConfig(num_draft_tokens=3, adaptive=False))
+    assert decoder.generate(batch, 20) == [autoregressive_generate(target, ids, 20) for ids in batch]
+    assert len(recording.seen) >= 10
+    for ids, drafted in recording.seen:
+        assert drafted == offline_first_draft(target, head, ids), ids

@@ -75,7 +75,7 @@ def fingerprint(target) -> list[float]:
 
 def describe(target) -> str:
     tokenizer = getattr(target, "tokenizer", None)
-    name = getattr(target, "name", None) or (tokenizer.name if tokenizer is not None else type(target).__name__)
+    name = type(target).__name__ + (f" with tokenizer {tokenizer.name}" if tokenizer is not None else "")
     return f"{name} (hidden size {hidden_size(target)}, {target.vocab_size} tokens)"
 
 

@@ -31,6 +31,8 @@ class HeadProposer(DraftModelProposer):
         self.vocab = head.vocab_ids
         self.head = target.output_head(self.vocab)  # the target's output layer, frozen
         self.embed = target.embed
+        # The output layer's dtype: the target's, which the head's own may differ from.
+        self.out_dtype = target.embed(torch.zeros(1, 1, dtype=torch.long, device=target.device)).dtype
         self._reset()
 
     def _reset(self) -> None:
@@ -82,7 +84,7 @@ class HeadProposer(DraftModelProposer):
         else:
             hidden = self.model(self.embed(tokens), self._own[:, None], self.state)  # (B, 1, H)
             self._own = hidden[:, -1]
-        return self.head(hidden)
+        return self.head(hidden.to(self.out_dtype))
 
     def propose(self, sequences, limits, min_confidence=None):
         self._own = None
@@ -100,5 +102,5 @@ class HeadProposer(DraftModelProposer):
         lengths = list(self.state.lengths)
         tokens = torch.tensor([[row[-1]] for row in sequences], device=self.model.device)
         features = torch.zeros(len(sequences), 1, self.model.cfg.hidden_size, device=self.model.device)
-        self.head(self.model(self.embed(tokens), features, self.state))
+        self.head(self.model(self.embed(tokens), features, self.state).to(self.out_dtype))
         self.model.rollback(self.state, lengths)

@@ -48,6 +48,8 @@ def add_train_head(sub) -> None:
     p.add_argument("--seq-len", type=integer(2), default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--eval-prompts", type=integer(1), default=20, help="held-out prompts in the report "
                    "(default: %(default)s)")
+    p.add_argument("--ship", action="store_true", help="install the head (fp16) and its report in the package as "
+                   "the preset default-head (only with --target default)")
     p.set_defaults(run=run)
 
 
@@ -56,6 +58,8 @@ def run(args) -> int:
     from .head import HeadTraining, run_train_head
 
     out = Path(args.out)
+    if args.ship and args.target != "default":
+        raise ValueError(f"--ship installs the preset default-head, a head for --target default, not {args.target}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
     target = load_model(args.target)
@@ -71,7 +75,21 @@ def run(args) -> int:
     trained, untrained = report["trained"], report["untrained"]
     print(f"head in {out / 'head'}: alpha {trained['acceptance_rate']:.3f} (untrained {untrained['acceptance_rate']:.3f}),"
           f" tau {trained['tokens_per_forward']:.2f} at K = {trained['k']}; per position {trained['acceptance_at']}")
+    if args.ship:
+        ship(out)
     return 0
+
+
+def ship(out: Path) -> None:
+    """OUT/head as the preset default-head: fp16 weights, the report beside them."""
+    import shutil
+
+    from ..loading import ASSETS
+    from ..models.head import load_head, save_head
+
+    shipped = save_head(load_head(out / "head"), ASSETS / "head", weight_dtype=torch.float16)
+    shutil.copy(out / "report.json", shipped / "report.json")
+    print(f"installed as default-head in {shipped}")
 
 
 def read_data(source: str, tokenizer, eval_prompts: int) -> tuple[torch.Tensor, list[list[int]]]:
