@@ -218,3 +218,29 @@ def test_the_head_reads_the_features_of_its_positions(kind, tmp_path):
     assert len(recording.seen) >= 10
     for ids, drafted in recording.seen:
         assert drafted == offline_first_draft(target, head, ids), ids
+
+
+def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
+    """`speculative batch --draft DIR+ngram` (and serve, which builds its engine the same way)
+    binds a head directory to the target; every record equals its prompt decoded alone."""
+    from speculative import load_model, load_tokenizer
+    from speculative.batch import ModelSpec, run_local
+    from speculative.loading import ASSETS
+
+    if not (ASSETS / "verifier" / "config.json").is_file():
+        pytest.skip("the shipped models are not in this checkout")
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    save_head(build_head(target, "default", seed=0, num_heads=6), tmp_path / "head")
+    starts = ["def read_lines(path):\n    ", "import os\nimport sys\n\n", "class Stack:\n", "    return self."]
+    (tmp_path / "in.jsonl").write_text("".join(
+        f'{{"id": {i}, "prompt": {text!r}, "max_tokens": {8 + i}}}\n'.replace("'", '"') for i, text in
+        enumerate(starts)))
+    run_local(tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+              ModelSpec(draft=f"{tmp_path / 'head'}+ngram", max_batch_size=2), show_progress=False)
+    import json
+
+    out = {row["id"]: row for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for i, text in enumerate(starts):
+        expected = autoregressive_generate(target, tokenizer.encode(text), 8 + i,
+                                           eos_token_id=tokenizer.eos_token_ids or None)
+        assert out[i]["token_ids"] == expected, i
