@@ -45,6 +45,8 @@ def add_train_head(sub) -> None:
     p.add_argument("--unroll", type=integer(1), default=3, help="drafting steps unrolled per window, the head "
                    "reading its own features after the first (default: %(default)s)")
     p.add_argument("--batch-size", type=integer(1), default=8, help="windows per step (default: %(default)s)")
+    p.add_argument("--lr", type=number(0, strict=True), default=1e-3, help="peak learning rate "
+                   "(default: %(default)s)")
     p.add_argument("--seq-len", type=integer(2), default=256, help="tokens per window (default: %(default)s)")
     p.add_argument("--eval-prompts", type=integer(1), default=20, help="held-out prompts in the report "
                    "(default: %(default)s)")
@@ -70,7 +72,7 @@ def run(args) -> int:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the target's context of {target.max_seq_len}")
     data, prompts = read_data(args.data, tokenizer, args.eval_prompts)
     cfg = HeadTraining(seconds=args.max_minutes * 60, unroll=args.unroll, vocab=args.vocab,
-                       batch_size=args.batch_size, seq_len=args.seq_len)
+                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
     report = run_train_head(target, str(args.target), data, prompts, out, cfg, args.resume, source=args.data)
     trained, untrained = report["trained"], report["untrained"]
     print(f"head in {out / 'head'}: alpha {trained['acceptance_rate']:.3f} (untrained {untrained['acceptance_rate']:.3f}),"
