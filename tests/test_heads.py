@@ -244,3 +244,13 @@ def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
         expected = autoregressive_generate(target, tokenizer.encode(text), 8 + i,
                                            eos_token_id=tokenizer.eos_token_ids or None)
         assert out[i]["token_ids"] == expected, i
+
+
+def test_a_missing_default_head_says_how_to_make_it():
+    from speculative.loading import ASSETS, resolve
+
+    if (ASSETS / "head" / "config.json").is_file():
+        assert resolve("default-head") == ASSETS / "head"
+    else:
+        with pytest.raises(FileNotFoundError, match=r"default-head.*speculative train-head --ship"):
+            resolve("default-head")

@@ -45,7 +45,7 @@ def resolve(name_or_path) -> Path:
     if text in BUILTIN_PRESETS:
         path = ASSETS / BUILTIN_PRESETS[text]
         if not (path / "config.json").is_file():
-            command = "train-head" if text == "default-head" else "train"
+            command = "train-head --ship" if text == "default-head" else "train"
             raise FileNotFoundError(f"preset {text!r} is missing from this installation ({path}); "
                                     f"run `speculative {command}` to make it")
         return path
