@@ -95,7 +95,7 @@ class ModelSpec:
         for model, role in [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else []):
             check_draft_width(self.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
         vocab = None if self.draft in LOOKUPS else draft_vocab(self, tokenizer)
-        proposer = as_proposer(draft, config, vocab)
+        proposer = as_proposer(draft, config, vocab, target=target)
         return Engine(target, proposer, config, max_batch_size=self.max_batch_size), tokenizer
 
 

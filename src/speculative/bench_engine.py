@@ -132,7 +132,7 @@ def methods(target, draft, config: SpeculativeConfig, batch_size: int) -> dict:
     """name -> function(requests) -> served: a fresh engine per run, learning into one policy
     across runs as the decoder's calls do."""
     decoder = SpeculativeDecoder(target, draft, config)
-    model = as_proposer(draft, config).model
+    model = as_proposer(draft, config, target=target).model
     policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, model)) if config.adaptive else None
     return {"engine": lambda requests: serve_engine(Engine(target, draft, config, batch_size, policy=policy), requests),
             "plain": lambda requests: serve_engine(Engine(target, None, config, batch_size), requests),

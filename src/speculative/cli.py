@@ -506,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                         "layers), and print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     from .serve.command import add_serve
+    from .train.head_command import add_train_head
 
-    for add in (add_generate, add_serve, add_batch, add_bench, add_train, add_export):
+    for add in (add_generate, add_serve, add_batch, add_bench, add_train, add_train_head, add_export):
         add(sub)
     for command in sub.choices.values():  # --verbose also after the command's name
         command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,

@@ -48,7 +48,7 @@ class SpeculativeDecoder:
         self.main_model = main_model
         self.draft_model = draft_model
         # The proposer every call forks its own from (the calls never share rows).
-        self.proposer = as_proposer(draft_model, self.config, draft_vocab)
+        self.proposer = as_proposer(draft_model, self.config, draft_vocab, target=main_model)
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
         # Learned across generations: acceptance and costs carry over from call to call.

@@ -105,8 +105,10 @@ class Engine:
         self.target = target
         self.max_batch_size = max_batch_size
         self.clock = clock  # every timing: the stats, and what the adaptive policy learns
-        self.proposer = as_proposer(draft, config).fork()
+        self.proposer = as_proposer(draft, config, target=target).fork()
         check_compatible(target, self.proposer)
+        # A feature draft (a draft head) is handed the target's hidden states (proposers/base.py).
+        self.reads_features = getattr(self.proposer, "reads_features", False)
         self.fixed = FixedPolicy(config.num_draft_tokens)
         if policy is None and config.adaptive and draft is not None:
             policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, self.proposer.model))
@@ -213,8 +215,8 @@ class Engine:
                 policy, caps, lookups, preferred, plan = self._plan(rows, sequences, stats)           # 2 plan
                 proposal, limits, ran, draft_seconds = self._draft(sequences, caps, lookups, preferred, plan,
                                                                    stats)                              # 3 draft
-                accepted, extra, verify_seconds = self._verify(rows, proposal, stats)                 # 4 verify
-                self._commit(rows, proposal, accepted, extra, ran, stats, outputs)                     # 5 commit
+                accepted, extra, hidden, verify_seconds = self._verify(rows, proposal, stats)         # 4 verify
+                self._commit(rows, proposal, accepted, extra, hidden, ran, stats, outputs)             # 5 commit
                 with LEARNING:
                     policy.observe_step(len(rows), proposal, limits, accepted, verify_seconds, proposal.forwards,
                                         draft_seconds)
@@ -250,12 +252,16 @@ class Engine:
         started = self.clock()
         prompts = [row.sequence for row in joining]
         capacity = max(len(p) + row.budget for p, row in zip(prompts, joining)) + self.width + 1
+        hidden = [] if self.reads_features else None
         if self.state is None:
-            self.state = prefill(self.target, prompts, capacity)
+            self.state = prefill(self.target, prompts, capacity, hidden)
         else:  # prefilled apart (only as long as the prompts), then added to the running rows
-            self.target.add_rows(self.state, prefill(self.target, prompts, max(map(len, prompts))), capacity)
+            self.target.add_rows(self.state, prefill(self.target, prompts, max(map(len, prompts)), hidden), capacity)
         self.proposer.add_rows(prompts, capacity, [row.draft_sampler for row in joining],
                                [row.draft_generator for row in joining])
+        if hidden is not None:
+            nothing = [hidden[0][:0]] * len(self.running)
+            self.proposer.read_features(nothing + hidden)
         self.running += joining
         stats.prefill_seconds += self.clock() - started
 
@@ -304,15 +310,20 @@ class Engine:
         row's acceptance rule."""
         started = self.clock()
         last = torch.tensor([[row.sequence[-1]] for row in rows], device=self.target.device)
-        logits = self.target.forward(torch.cat([last, proposal.tokens], 1), self.state)  # (B, K+1, V)
+        tokens = torch.cat([last, proposal.tokens], 1)
+        hidden = None  # (B, K+1, H): the features a draft head reads
+        if self.reads_features:
+            logits, hidden = self.target.forward(tokens, self.state, return_hidden=True)  # (B, K+1, V)
+        else:
+            logits = self.target.forward(tokens, self.state)  # (B, K+1, V)
         stats.target_forward_seconds += self.clock() - started
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
         seconds = self.clock() - started
         stats.verify_seconds += seconds
-        return accepted, extra, seconds
+        return accepted, extra, hidden, seconds
 
-    def _commit(self, rows: list[Row], proposal, accepted, extra, ran: bool, stats: DecodeStats,
+    def _commit(self, rows: list[Row], proposal, accepted, extra, hidden, ran: bool, stats: DecodeStats,
                 outputs: list) -> None:
         drafts = proposal.tokens.tolist()
         for row, tokens, length, kept, token in zip(rows, drafts, proposal.lengths, accepted, extra):
@@ -324,6 +335,8 @@ class Engine:
         stats.target_forwards += 1
         stats.record_step(proposal.lengths, accepted)
         self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
+        if hidden is not None:  # the last committed token and the accepted drafts are in the target's state
+            self.proposer.read_features([hidden[b, :kept + 1] for b, kept in enumerate(accepted)])
         if ran:  # the draft model ran: it rolls back to what was kept
             self.proposer.commit([row.sequence for row in rows])
 

@@ -5,7 +5,7 @@
   loads through transformers (pickled .bin weights are refused);
 - a .gguf file loads through transformers, dequantized (needs `gguf`);
 - presets: `default` (the shipped verifier), `default-draft` and `default-s4d` (its
-  drafts), `gemma-3-270m`, `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that
+  drafts), `default-head` (its draft head, `models/head.py`), `gemma-3-270m`, `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that
   PyPI packages carry, made into local safetensors once: `presets.py`).
 
 Every model loads in an execution dtype (`precision.py`: `auto` picks what the device runs
@@ -25,13 +25,14 @@ from . import presets
 from .inputs import check_device
 from .kernels import int8_available, pack_linears, packing_available, quantize_linears
 from .models import MODEL_TYPES, load_builtin
+from .models.head import HEAD_TYPE, load_head
 from .precision import INT8, resolve_dtype
 from .text import TextTokenizer
 
 log = logging.getLogger("speculative")
 
 ASSETS = Path(__file__).parent / "assets" / "default"
-BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d": "draft_s4d"}
+BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d": "draft_s4d", "default-head": "head"}
 PRESETS = [*BUILTIN_PRESETS, presets.GEMMA, *presets.CHUNKED]
 # The draft each preset pairs with when none is named.
 PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d",
@@ -44,8 +45,9 @@ def resolve(name_or_path) -> Path:
     if text in BUILTIN_PRESETS:
         path = ASSETS / BUILTIN_PRESETS[text]
         if not (path / "config.json").is_file():
+            command = "train-head --ship" if text == "default-head" else "train"
             raise FileNotFoundError(f"preset {text!r} is missing from this installation ({path}); "
-                                    "run `speculative train` to make it")
+                                    f"run `speculative {command}` to make it")
         return path
     made = presets.directory(text)
     if made is not None:
@@ -89,6 +91,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
         model = _load_gguf(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
+    elif config.get("model_type") == HEAD_TYPE:  # drafts from a target's features: bound to it by the engine
+        model = load_head(path, device, torch_dtype)
     else:
         if config.get("model_type") in MODEL_TYPES:
             model = _load_builtin(path, config, device, torch_dtype)

@@ -136,6 +136,8 @@ def can_branch(target, proposer, top_k: int) -> bool:
                "one forward)")
     elif not getattr(proposer, "branches", False):
         why = f"the draft {type(proposer).__name__} drafts chains only (trees come from lookup sources)"
+    elif getattr(proposer, "reads_features", False):
+        why = "a draft head reads the target's features, which tree steps do not hand over yet"
     if why is None:
         return True
     warnings.warn(f"tree_top_k={top_k}: {why}; this engine drafts chains", UserWarning, stacklevel=3)

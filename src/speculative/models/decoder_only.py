@@ -248,6 +248,10 @@ class DecoderOnlyLM(nn.Module):
         cos, sin = (t[positions].to(dtype).unsqueeze(1) for t in table)
         return cos, sin
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (B, T, H) of tokens (what a draft head reads beside the features)."""
+        return self.embed_tokens(tokens)
+
     def forward(self, tokens: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
                 keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
                 tree: torch.Tensor | None = None):
@@ -262,19 +266,28 @@ class DecoderOnlyLM(nn.Module):
         ancestor mask, tree.py); every token still sees its row's earlier slots.
         """
         if state is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-            cos, sin = self._rope(positions, tokens.shape[1])
-            x = self.embed_tokens(tokens)
+            return self.lm_head(self.run_blocks(self.embed_tokens(tokens)))
+        hidden = self.run_blocks(self.embed_tokens(tokens), state, num_valid, positions, tree)
+        return output(self.lm_head, hidden, keep_logits, return_hidden)
+
+    def run_blocks(self, x: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
+                   positions: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks and the final norm over input vectors x (B, T, H), appended to `state` as
+        `forward` appends tokens; without a state, whole sequences from position 0 (training).
+        A draft head runs its own inputs (embeddings fused with features) through it."""
+        if state is None:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            cos, sin = self._rope(positions, x.shape[1])
             for layer in self.layers:
                 x = layer(x, cos, sin)
-            return self.lm_head(self.norm(x))
-        batch, width = tokens.shape
+            return self.norm(x)
+        batch, width = x.shape[:2]
         counts = valid_counts(num_valid, batch, width)
         starts = state.lengths
         keys = max(s + c for s, c in zip(starts, counts))  # slots holding valid tokens after this forward
         if keys > state.capacity:
             raise ValueError(f"KV cache holds {state.capacity} positions; this forward needs {keys}")
-        device = tokens.device
+        device = x.device
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # (B, T)
         if positions is None:
             cos, sin = self._rope(slots, keys)
@@ -299,11 +312,10 @@ class DecoderOnlyLM(nn.Module):
             mask = (torch.arange(keys, device=device)[None, None, :] <= slots[:, :, None]).unsqueeze(1)
         else:
             mask = tree_mask(tree, torch.tensor(starts, device=device), keys).unsqueeze(1)
-        x = self.embed_tokens(tokens)
         for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
             x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
-        return output(self.lm_head, self.norm(x), keep_logits, return_hidden)
+        return self.norm(x)
 
     @torch.inference_mode()
     def compact(self, state: KVState, starts: list[int], kept: list[list[int]]) -> None:

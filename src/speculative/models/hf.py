@@ -109,6 +109,10 @@ class HFModel:
             masks["sliding_attention"] = additive(visible & near)
         return masks, keys_pos
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (B, T, H) of tokens, scaled as the model scales them (Gemma)."""
+        return self.model.get_input_embeddings()(tokens)
+
     def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
                 keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
                 tree: torch.Tensor | None = None):

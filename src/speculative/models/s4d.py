@@ -251,6 +251,10 @@ class S4DLM(nn.Module):
                 grown.append(new)
             state.history = grown
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (B, T, H) of tokens (what a draft head reads beside the features)."""
+        return self.embed_tokens(tokens)
+
     def forward(self, tokens: torch.Tensor, state: SSMState | None = None, num_valid: list[int] | None = None,
                 keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None):
         """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).

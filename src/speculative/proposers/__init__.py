@@ -1,15 +1,18 @@
 """Draft sources: a draft model, n-gram lookup in the prompt and output, both, or none."""
 
+from ..models.head import DraftHead
 from .base import NoDraft, Proposal, Proposer, merge_drafts
 from .draft_model import DraftModelProposer
+from .head import HeadProposer
 from .hybrid import HybridProposer
 from .ngram import NGramProposer
 from .suffix import SuffixProposer
 
 
-def as_proposer(draft, config, vocab=None) -> Proposer:
+def as_proposer(draft, config, vocab=None, target=None) -> Proposer:
     """What drafts for the engine: `draft` itself when it is a proposer, no drafting for
-    None, else a draft model (scoring only `vocab` when given), behind prompt lookup when
+    None, else a draft model (scoring only `vocab` when given) or a draft head (drafting
+    from `target`'s features, over its own vocabulary), behind prompt lookup when
     `config.prompt_lookup`. Check `draft` first (inputs.check_draft)."""
     if draft is None:
         return NoDraft()
@@ -17,11 +20,19 @@ def as_proposer(draft, config, vocab=None) -> Proposer:
         if vocab is not None:
             raise ValueError("draft_vocab applies to a draft model; pass it to the proposer itself")
         return draft
-    proposer = DraftModelProposer(draft, vocab=vocab)
+    if isinstance(draft, DraftHead):
+        if vocab is not None:
+            raise ValueError("draft_vocab applies to a draft model; a draft head keeps the vocabulary it was "
+                             "trained with (train-head --vocab)")
+        if target is None:
+            raise ValueError("a draft head drafts from a target's features: pass the target as well")
+        proposer = HeadProposer(draft, target)
+    else:
+        proposer = DraftModelProposer(draft, vocab=vocab)
     if config.prompt_lookup:
         proposer = HybridProposer(proposer, NGramProposer(config.max_ngram, config.min_ngram, config.num_draft_tokens))
     return proposer
 
 
-__all__ = ["Proposal", "Proposer", "NoDraft", "DraftModelProposer", "HybridProposer", "NGramProposer",
+__all__ = ["Proposal", "Proposer", "NoDraft", "DraftModelProposer", "HeadProposer", "HybridProposer", "NGramProposer",
            "SuffixProposer", "as_proposer", "merge_drafts"]

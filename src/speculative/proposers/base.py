@@ -27,6 +27,14 @@ proposer with the same models and settings and no rows: every engine drafts with
 so that generations running at once never share per-row state. `probe(sequences)` runs
 one draft-model forward over these rows and forgets it (nothing without a model): the
 engine times it, with its own clock, for the cost probe.
+
+Feature drafts (a draft head, EAGLE-style) also say `reads_features = True` (an optional
+attribute: a proposer without it reads none). The engine then hands them the target's
+final hidden states with `read_features(features)`: features[b] (n_b, H) are those of
+row b's tokens that just entered the target's state, in order: each prompt but its last
+token when rows join (other rows get n_b = 0), and every step, whether or not `propose`
+ran, the row's last committed token and its accepted drafts, from the verify forward
+itself (no second target forward).
 """
 
 from __future__ import annotations
@@ -89,6 +97,7 @@ class NoDraft:
 
     model = None
     vocab_size = None
+    reads_features = False
 
     def fork(self) -> "NoDraft":
         return self

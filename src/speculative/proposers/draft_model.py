@@ -29,6 +29,7 @@ class DraftModelProposer:
 
     # Tokens the draft has not seen beyond which they are read first without logits.
     catch_up_limit = 8
+    reads_features = False  # it reads tokens, not the target's hidden states
 
     def __init__(self, model, vocab: torch.Tensor | None = None):
         self.model = model

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from .base import Proposal
 from .draft_model import DraftModelProposer
+from .head import HeadProposer
 from .ngram import NGramProposer
 
 
 class HybridProposer:
-    def __init__(self, model_proposer: DraftModelProposer, ngram: NGramProposer | None = None, min_match: int = 2):
+    def __init__(self, model_proposer: DraftModelProposer | HeadProposer, ngram: NGramProposer | None = None, min_match: int = 2):
         self.drafter = model_proposer
         self.ngram = ngram or NGramProposer()
         self.min_match = min_match
         self.model = model_proposer.model
         self.vocab_size = model_proposer.vocab_size
+        self.reads_features = getattr(model_proposer, "reads_features", False)
 
     def fork(self) -> "HybridProposer":
         return HybridProposer(self.drafter.fork(), self.ngram.fork(), self.min_match)
@@ -48,6 +50,9 @@ class HybridProposer:
 
     def catch_up(self, sequences: list[list[int]]) -> None:
         self.drafter.catch_up(sequences)
+
+    def read_features(self, features) -> None:
+        self.drafter.read_features(features)
 
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         return self.drafter.propose(sequences, limits, min_confidence)

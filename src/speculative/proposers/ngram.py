@@ -71,6 +71,7 @@ class NGramProposer:
     vocab_size = None  # proposes ids taken from the row itself
     model = None
     branches = True  # drafts trees (free_trees)
+    reads_features = False
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = 10, min_draft: int = 2):
         if not 1 <= min_ngram <= max_ngram:

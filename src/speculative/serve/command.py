@@ -104,7 +104,7 @@ def build_engine(args):
         check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
     if draft is not None:
         vocab = None if draft_name in LOOKUPS else draft_vocab(args, tokenizer)
-        draft = as_proposer(draft, config, vocab)
+        draft = as_proposer(draft, config, vocab, target=target)
     engine = Engine(target, draft, config, max_batch_size=args.max_batch_size)
     limits = [m.max_seq_len for m in models if m.max_seq_len]
     return engine, tokenizer, min(limits) if limits else None

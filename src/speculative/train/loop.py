@@ -79,8 +79,10 @@ def phase_loss(model, window, teacher, temperature, autocast):
 
 
 def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, teacher=None,
-                resume: bool = False) -> dict:
-    """Train `model` in place; returns a summary (steps, tokens, seconds, final loss)."""
+                resume: bool = False, loss=None) -> dict:
+    """Train `model` in place; returns a summary (steps, tokens, seconds, final loss).
+    `loss(window, autocast)`: the phase's own objective on a (B, T+1) window (a draft
+    head's); default: next-token cross-entropy, or KL to `teacher` when given."""
     model.train().requires_grad_(True)
     if teacher is not None:
         teacher.eval().requires_grad_(False)
@@ -125,15 +127,18 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total or 10 ** 9, cfg.lr)
-        loss = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast)
-        loss.backward()
+        if loss is None:
+            value = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast)
+        else:
+            value = loss(next(stream), autocast)
+        value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         spent += elapsed
         step += 1
-        value = loss.item()
+        value = value.item()
         loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
         durations.append(elapsed)
         recent = durations[1:] if step == ESTIMATE_AT[0] else durations[ESTIMATE_AT[0]:]

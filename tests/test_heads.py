@@ -1,0 +1,267 @@
+"""Draft heads (EAGLE-style): exact output, exact distribution, save/load, refusal of another
+target, and a short training run that makes a head draft better than an untrained one."""
+
+import pytest
+import torch
+
+import speculative.proposers.draft_model as draft_model
+from speculative import Engine, SamplingParams, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
+from speculative.models.head import build_head, load_head, save_head
+from speculative.proposers import HeadProposer, HybridProposer
+from speculative.train.head import HeadTraining, head_loss, run_train_head
+from helpers import sharpen, tiny
+from test_lossless import DRAWS, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+
+
+def prompts(count, seed, vocab=64, low=1, high=40):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target and a head trained for it for 150 seeded steps on the target's own samples."""
+    target = sharpen(tiny("decoder_only", seed=1), 4.0)
+    starts = prompts(40, seed=0, low=4, high=5)
+    sampled = SpeculativeConfig(greedy_verification=False, main_temperature=1.0)
+    samples = autoregressive_generate(target, starts, 60, sampled, seeds=list(range(40)))
+    data = torch.tensor([t for p, s in zip(starts, samples) for t in p + s])
+    out = tmp_path_factory.mktemp("head")
+    cfg = HeadTraining(seconds=0, steps=150, lr=1e-2, seq_len=64, batch_size=8, bf16=False)
+    report = run_train_head(target, "tiny-1", data, prompts(6, seed=9, low=5, high=6), out, cfg)
+    return target, load_head(out / "head"), report, data
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(trained):
+    target, head, report, data = trained
+    untrained = build_head(target, "tiny-1", seed=0)
+    windows = data[:4 * 64].reshape(4, 64).long()
+    with torch.no_grad():
+        before = head_loss(untrained, target, target.output_head(), windows, 3)
+        after = head_loss(head, target, target.output_head(), windows, 3)
+    assert after < before - 0.02
+    assert report["trained"]["identical_to_target"] and report["untrained"]["identical_to_target"]
+    assert report["trained"]["acceptance_rate"] > report["untrained"]["acceptance_rate"] + 0.05
+    assert len(report["trained"]["acceptance_at"]) == 4 and report["trained"]["tokens_per_forward"] > 1.1
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_greedy_equals_autoregressive(trained, lookup):
+    target, head, _, _ = trained
+    batch = prompts(5, seed=3)
+    expected = autoregressive_generate(target, batch, 40)
+    for k, adaptive in ((1, False), (4, False), (4, True)):
+        decoder = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=k, adaptive=adaptive,
+                                                                     prompt_lookup=lookup))
+        assert decoder.generate(batch, 40) == expected, (k, adaptive)
+        for ids, reference in zip(batch[:2], expected):
+            assert decoder.generate(ids, 40) == reference
+        stats = decoder.stats
+        if not adaptive:  # both the rollback and the bonus paths were taken
+            assert 0 < stats.accepted < stats.drafted
+            assert stats.accepted_at[-1] > 0
+
+
+def test_trees_asked_of_a_head_say_so_and_draft_chains(trained):
+    """Tree steps do not hand features over: a head with lookup in front keeps chains, says
+    so once when the engine is built, and its output stays the target's own."""
+    target, head, _, _ = trained
+    batch = prompts(3, seed=4)
+    config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True, tree_top_k=2, tree_max_tokens=8)
+    with pytest.warns(UserWarning, match="features"):
+        decoder = SpeculativeDecoder(target, head, config)
+        assert decoder.generate(batch, 30) == autoregressive_generate(target, batch, 30)
+
+
+def test_rows_join_a_running_batch(trained):
+    """Requests wait for a free row and join with their prompts' features; each gets exactly
+    its reference tokens."""
+    target, head, _, _ = trained
+    batch = prompts(6, seed=5)
+    budgets = [10, 30, 20, 25, 5, 30]
+    proposer = HybridProposer(HeadProposer(head, target))
+    engine = Engine(target, proposer, SpeculativeConfig(num_draft_tokens=3, adaptive=False), max_batch_size=2)
+    for i, (ids, n) in enumerate(zip(batch, budgets)):
+        engine.add_request(ids, SamplingParams(max_new_tokens=n), request_id=i)
+    got = {i: [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    for i, (ids, n) in enumerate(zip(batch, budgets)):
+        assert got[i] == autoregressive_generate(target, ids, n), i
+    assert engine.stats.accepted > 0
+
+
+def test_save_and_load(trained, tmp_path):
+    target, head, _, _ = trained
+    save_head(head, tmp_path / "again")
+    loaded = load_head(tmp_path / "again")
+    assert loaded.cfg == head.cfg
+    embedded, features = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    torch.testing.assert_close(loaded(embedded, features), head(embedded, features), rtol=0, atol=0)
+    ids = prompts(1, seed=7)[0]
+    assert SpeculativeDecoder(target, loaded).generate(ids, 20) == autoregressive_generate(target, ids, 20)
+
+
+def test_refuses_another_target(trained, tmp_path):
+    _, head, _, _ = trained
+    other = tiny("decoder_only", seed=2)  # same sizes, other weights
+    with pytest.raises(ValueError, match=r"trained for tiny-1 .*not for the target .*weights differ"):
+        SpeculativeDecoder(other, head)
+    wider = tiny("decoder_only", seed=1, hidden_size=64)
+    with pytest.raises(ValueError, match=r"trained for tiny-1 \(hidden size 32, 64 tokens\).*hidden size 64 != 32"):
+        HeadProposer(head, wider)
+    with pytest.raises(FileNotFoundError, match="not a draft head directory"):
+        load_head(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    """A sharp 8-token target and a head scoring 5 of its tokens (q zero on the others)."""
+    target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 12.0)
+    head = build_head(target, "tiny-11", vocab_ids=[3, 0, 6, 1, 5], seed=4)
+    return target, head
+
+
+@pytest.mark.slow
+def test_sampling_with_a_reduced_vocabulary_is_lossless(sampling_pair):
+    target, head = sampling_pair
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
+    decoder = SpeculativeDecoder(target, head, config)
+    counts = draw(decoder)
+    assert counts.sum() == DRAWS
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
+
+
+@pytest.mark.slow
+def test_the_g_test_catches_a_lost_index_map(sampling_pair, monkeypatch):
+    """Negative control: q reported at ids 0..N-1 instead of the head's own ids."""
+    target, head = sampling_pair
+    monkeypatch.setattr(draft_model, "scatter_vocab",
+                        lambda q, vocab, size: q.new_zeros(q.shape[0], size).index_copy_(1, torch.arange(len(vocab)), q))
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
+    counts = draw(SpeculativeDecoder(target, head, config))
+    assert g_test_pvalue(counts, exact_joint(target, config)) < P_MIN
+
+
+def test_load_model_reads_a_head_directory(trained, tmp_path):
+    from speculative import load_model
+    from speculative.models.head import DraftHead
+
+    target, head, _, _ = trained
+    save_head(head, tmp_path / "h", weight_dtype=torch.float16)
+    loaded = load_model(tmp_path / "h")
+    assert isinstance(loaded, DraftHead) and loaded.cfg.target_name == "tiny-1"
+    with pytest.raises(ValueError, match="a draft head keeps the vocabulary it was trained with"):
+        SpeculativeDecoder(target, loaded, draft_vocab=[1, 2, 3])
+
+
+def test_train_head_refuses_bad_input(tmp_path, capsys):
+    from speculative.cli import main
+
+    cases = [(["--data", str(tmp_path / "missing.jsonl")], "neither 'stdlib' nor a JSON-lines file"),
+             (["--max-minutes", "0"], "--max-minutes"),
+             (["--vocab", "-1"], "--vocab")]
+    (tmp_path / "file").write_text("x")
+    cases.append((["--out", str(tmp_path / "file")], "is a file; give a directory"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')
+    cases.append((["--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")],
+                  'bad.jsonl line 2: expected an object with a "text" string or a "messages" list'))
+    for args, words in cases:
+        assert main(["train-head", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ship_only_for_the_default_target(capsys):
+    from speculative.cli import main
+
+    assert main(["train-head", "--target", "default-draft", "--ship"]) == 2
+    assert "--ship installs the preset default-head, a head for --target default" in capsys.readouterr().err
+
+
+class Recording(HeadProposer):
+    """Remembers each row's sequence and first drafted token at every propose."""
+
+    def __init__(self, head, target):
+        super().__init__(head, target)
+        self.seen = []
+
+    def propose(self, sequences, limits, min_confidence=None):
+        proposal = super().propose(sequences, limits, min_confidence)
+        self.seen += [(list(seq), int(tokens[0])) for seq, tokens, n in
+                      zip(sequences, proposal.tokens, limits) if n > 0]
+        return proposal
+
+
+def offline_first_draft(target, head, ids):
+    """The head's greedy first draft after `ids`, from one target forward over the whole sequence."""
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        _, hidden = target.forward(tokens, target.new_state(1, len(ids)), return_hidden=True)
+        previous = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], 1)  # f_{t-1}
+        h = head(target.embed(tokens), previous)[:, -1]
+        return int(target.output_head(head.vocab_ids)(h.to(hidden.dtype)).argmax())
+
+
+def hf_llama(tmp_path):
+    pytest.importorskip("transformers")
+    from test_transformers import llama, saved
+
+    return saved(llama(1), tmp_path / "llama")
+
+
+@pytest.mark.parametrize("kind", ["decoder_only", "transformers"])
+def test_the_head_reads_the_features_of_its_positions(kind, tmp_path):
+    """Every draft the engine's head makes (after prompts, lookup drafts and rejections alike)
+    equals the head's draft over a fresh target forward of the whole sequence; and the
+    output is the target's own."""
+    target = tiny("decoder_only", seed=1) if kind == "decoder_only" else hf_llama(tmp_path)
+    head = build_head(target, kind, seed=3)
+    recording = Recording(head, target)
+    batch = [[5, 6, 7, 8] * 4 + [5], prompts(1, seed=4, vocab=64)[0], [9]]
+    decoder = SpeculativeDecoder(target, HybridProposer(recording),
+                                 SpeculativeConfig(num_draft_tokens=3, adaptive=False))
+    assert decoder.generate(batch, 20) == [autoregressive_generate(target, ids, 20) for ids in batch]
+    assert len(recording.seen) >= 10
+    for ids, drafted in recording.seen:
+        assert drafted == offline_first_draft(target, head, ids), ids
+
+
+def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
+    """`speculative batch --draft DIR+ngram` (and serve, which builds its engine the same way)
+    binds a head directory to the target; every record equals its prompt decoded alone."""
+    from speculative import load_model, load_tokenizer
+    from speculative.batch import ModelSpec, run_local
+    from speculative.loading import ASSETS
+
+    if not (ASSETS / "verifier" / "config.json").is_file():
+        pytest.skip("the shipped models are not in this checkout")
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    save_head(build_head(target, "default", seed=0, num_heads=6), tmp_path / "head")
+    starts = ["def read_lines(path):\n    ", "import os\nimport sys\n\n", "class Stack:\n", "    return self."]
+    (tmp_path / "in.jsonl").write_text("".join(
+        f'{{"id": {i}, "prompt": {text!r}, "max_tokens": {8 + i}}}\n'.replace("'", '"') for i, text in
+        enumerate(starts)))
+    run_local(tmp_path / "in.jsonl", tmp_path / "out.jsonl",
+              ModelSpec(draft=f"{tmp_path / 'head'}+ngram", max_batch_size=2), show_progress=False)
+    import json
+
+    out = {row["id"]: row for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for i, text in enumerate(starts):
+        expected = autoregressive_generate(target, tokenizer.encode(text), 8 + i,
+                                           eos_token_id=tokenizer.eos_token_ids or None)
+        assert out[i]["token_ids"] == expected, i
+
+
+def test_a_missing_default_head_says_how_to_make_it():
+    from speculative.loading import ASSETS, resolve
+
+    if (ASSETS / "head" / "config.json").is_file():
+        assert resolve("default-head") == ASSETS / "head"
+    else:
+        with pytest.raises(FileNotFoundError, match=r"default-head.*speculative train-head --ship"):
+            resolve("default-head")
