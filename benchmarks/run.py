@@ -3,6 +3,7 @@
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
     python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, batch-ray, ...
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
+    python benchmarks/run.py engine-batch1  # only the engine's batch-1 comparison with the code before it
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
     python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
@@ -145,27 +146,45 @@ def section_engine(smoke: bool = False):
     """Continuous batching: the shipped pair with its default draft (lookup + draft model,
     adaptive) against plain continuous batching and static batches; then batch-1 generate
     of this code against the decoder before the engine (BEFORE_ENGINE), in the same process."""
-    from speculative import SpeculativeConfig, SpeculativeDecoder
-    from speculative.bench_engine import batch_one, compare, workload
+    from speculative import SpeculativeConfig
+    from speculative.bench_engine import compare, workload
 
     count, max_new, sizes, runs = (8, 32, (1, 4), 1) if smoke else (32, 128, (1, 4, 8, 16), 3)
     target, tokenizer, draft = load_model("default"), load_tokenizer("default"), load_model("default-draft")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - max_new - 9)
     config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
     report = compare(target, draft, config, workload(ids, count, max_new), sizes, runs)
-    before = load_git_package(BEFORE_ENGINE, "speculative_before")
-    # The same model objects for both: what differs is the decoding loop, not the kernels.
-    old = before.SpeculativeDecoder(target, draft, before.SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
-    report["batch1"] = batch_one({"before": old, "this": SpeculativeDecoder(target, draft, config)}, ids, max_new,
-                                 runs)
-    report["batch1"]["before_commit"] = BEFORE_ENGINE
-    print(f"  batch 1 generate: this {report['batch1']['this']['tokens_per_second']:.1f} tok/s, before the engine "
-          f"{report['batch1']['before']['tokens_per_second']:.1f} tok/s: {report['batch1']['this']['vs_before']:.3f}x")
+    report["batch1"] = engine_batch_one(target, draft, ids, max_new, runs)
     report.update(title=("Continuous batching: the shipped pair (lookup + draft model, adaptive, K <= 4), "
                          f"{count} requests of code completion, {max_new} new tokens each"),
                   machine=machine(), date=time.strftime("%Y-%m-%d"), requests=count, max_new_tokens=max_new,
                   runs=runs, smoke=smoke)
     save("engine-smoke" if smoke else "engine", report)
+
+
+def engine_batch_one(target, draft, ids, max_new: int, runs: int) -> dict:
+    """Batch-1 `generate` of this code against the decoder before the engine (BEFORE_ENGINE),
+    on the same model objects: what differs is the decoding loop, not the kernels."""
+    from speculative import SpeculativeConfig, SpeculativeDecoder
+    from speculative.bench_engine import batch_one
+
+    before = load_git_package(BEFORE_ENGINE, "speculative_before")
+    old = before.SpeculativeDecoder(target, draft, before.SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
+    new = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
+    result = batch_one({"before": old, "this": new}, ids, max_new, runs)
+    result["before_commit"] = BEFORE_ENGINE
+    print(f"  batch 1 generate: this {result['this']['tokens_per_second']:.1f} tok/s, before the engine "
+          f"{result['before']['tokens_per_second']:.1f} tok/s: {result['this']['vs_before']:.3f}x")
+    return result
+
+
+def section_engine_batch_one():
+    """Only the engine section's batch-1 comparison (two minutes), as results/engine-batch1.json."""
+    target, tokenizer, draft = load_model("default"), load_tokenizer("default"), load_model("default-draft")
+    ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 128 - 9)
+    result = engine_batch_one(target, draft, ids, 128, 3)
+    result.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
+    save("engine-batch1", result)
 
 
 def section_serve(smoke: bool = False):
@@ -210,6 +229,7 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
+            "engine-batch1": section_engine_batch_one,
             "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
             "batch-ray": lambda: batch_ray.section(save, prompts),
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
@@ -313,13 +333,17 @@ def render_engine(report: dict) -> list[str]:
             cells += [f"{x['latency_p50']:.2f} / {x['latency_p99']:.2f}" for x in (e, p, s)]
             parts.append(f"| {size} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
         parts.append("")
-    one = report["batch1"]
-    before = "before" if "before" in one else "main"
-    parts.append(f"Batch-1 `generate`, this code against the decoder before the engine (commit "
-                 f"{one.get('before_commit', 'main')}, loaded from git into the same process, same models, prompts "
-                 f"in turn): {one['this']['tokens_per_second']:.1f} against "
-                 f"{one[before]['tokens_per_second']:.1f} tokens/s, {one['this']['vs_' + before]:.3f}x; identical "
-                 f"outputs: {'yes' if one['this']['identical'] else 'NO'}.\n")
+    runs = [("in this run", report["batch1"])]
+    path = RESULTS / "engine-batch1.json"
+    if path.is_file():  # `run.py engine-batch1`: the same comparison alone
+        alone = json.loads(path.read_text())
+        runs.append((f"run alone on {alone['date']} (`run.py engine-batch1`)", alone))
+    for when, one in runs:
+        parts.append(f"Batch-1 `generate`, this code against the decoder before the engine (commit "
+                     f"{one['before_commit']}, loaded from git into the same process, same models, prompts in turn), "
+                     f"{when}: {one['this']['tokens_per_second']:.1f} against "
+                     f"{one['before']['tokens_per_second']:.1f} tokens/s, {one['this']['vs_before']:.3f}x; identical "
+                     f"outputs: {'yes' if one['this']['identical'] else 'NO'}.\n")
     return parts
 
 

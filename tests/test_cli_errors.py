@@ -271,7 +271,10 @@ def test_a_closed_pipe_ends_the_command_quietly():
 
 
 def test_ctrl_c_prints_one_line_and_exits_130():
-    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "480", "--fixed-k"),
+    # The draft model alone (no lookup) takes seconds for 480 tokens: the interrupt lands while it generates even
+    # when a loaded machine delays this test's read.
+    process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "480", "--draft", "default-draft",
+                                       "--fixed-k"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment())
     assert process.stdout.read(10) == b"def read_l"  # generating
     process.send_signal(signal.SIGINT)
