@@ -271,11 +271,13 @@ def test_a_closed_pipe_ends_the_command_quietly():
 
 
 def test_ctrl_c_prints_one_line_and_exits_130():
-    # The draft model alone (no lookup) takes seconds for 480 tokens: the interrupt lands while it generates even
-    # when a loaded machine delays this test's read.
+    # The draft model alone (no lookup) takes seconds for 480 tokens, so the interrupt lands while it
+    # generates. The child gets Ctrl-C's default disposition: a suite started in the background
+    # (nohup, `make test &`) passes SIGINT down ignored, and Python then keeps ignoring it.
     process = subprocess.Popen(command("generate", "--stream", "--max-new-tokens", "480", "--draft", "default-draft",
                                        "--fixed-k"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment())
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout.read(10) == b"def read_l"  # generating
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=300)
