@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import PackedLinear
-from .base import LanguageModel
+from .base import LanguageModel, load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .s4d import S4DConfig, S4DLM
 
@@ -125,13 +125,7 @@ def load_builtin(directory, device="cpu", dtype: torch.dtype | None = torch.floa
         tensors.update(load_file(str(path)))
     if model.cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-    expected = model.state_dict()
-    problems = sorted(set(expected) ^ set(tensors))
-    problems += [f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
-                 if k in tensors and tensors[k].shape != v.shape]
-    if problems:
-        raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
-    model.load_state_dict(tensors)
+    load_checked(model, tensors, directory, config_path)
     return to_dtype(model.to(device=device), dtype)
 
 

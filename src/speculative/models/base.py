@@ -147,3 +147,15 @@ def like(head: nn.Module, rows: nn.Linear) -> nn.Module:
     if isinstance(head, Int8Linear):
         return Int8Linear(rows)
     return rows
+
+
+def load_checked(model: nn.Module, tensors: dict, directory, config_path) -> None:
+    """Load saved tensors into `model`, naming missing, extra or misshapen weights first."""
+    expected = model.state_dict()
+    problems = sorted(set(expected) ^ set(tensors))
+    problems += [f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+                 if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
+    model.load_state_dict(tensors)
+

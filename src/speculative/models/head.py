@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .base import load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM, KVState
 
 HEAD_TYPE = "draft_head"
@@ -207,11 +208,5 @@ def load_head(directory, device="cpu", dtype: torch.dtype = torch.float32) -> Dr
     vocab_ids = tensors.pop("vocab_ids", None)
     head = DraftHead(HeadConfig(**config), vocab_ids)
     tensors["blocks.lm_head.weight"] = tensors["blocks.embed_tokens.weight"]
-    expected = head.state_dict()
-    problems = sorted(set(expected) ^ set(tensors))
-    problems += [f"{k}: {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
-                 if k in tensors and tensors[k].shape != v.shape]
-    if problems:
-        raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
-    head.load_state_dict(tensors)
+    load_checked(head, tensors, directory, config_path)
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
