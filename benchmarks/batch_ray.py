@@ -9,10 +9,11 @@ new tokens each, greedy. Four ways, interleaved round by round, medians of the r
 - Ray, 2 actors x 1 thread (`run_ray` on a local cluster of 2 CPUs started once), the same
   two drafts.
 
-Reported per way: tokens/s over the whole job; seconds until the first record is written
-(start-up: actors, model loading; the cluster's own start is reported once apart); time
-outside the engines' step calls (1 - step seconds / (workers x job seconds)); and whether
-every record equals the first way's. For Ray, a projection to more actors from the measured
+Reported per way: tokens/s over the whole job; seconds until every worker has its models
+loaded and until the first record is written (start-up: actors, model loading; the
+cluster's own start is reported once apart); time outside the engines' step calls
+(1 - step seconds / (workers x job seconds)); and whether every record equals the first
+way's. For Ray, a projection to more actors from the measured
 per-actor rate after start-up (each actor on a core of its own, the writer never the limit).
 """
 
@@ -59,7 +60,7 @@ def run_way(where: str, draft: str, records: Path, folder: Path, round_: int, ba
         workers = 2
     tokens = {row["id"]: row["token_ids"] for row in map(json.loads, out.read_text().splitlines())}
     return {"tokens_per_second": summary.tokens / summary.seconds, "seconds": summary.seconds,
-            "first_record_seconds": summary.first_record_seconds,
+            "first_record_seconds": summary.first_record_seconds, "ready_seconds": summary.ready_seconds,
             "outside_steps": 1 - summary.step_seconds / (workers * summary.seconds),
             # After start-up: undefined when most records arrive with the first write (a short job).
             "steady_tokens_per_second": (summary.tokens / (summary.seconds - summary.first_record_seconds)
@@ -98,7 +99,8 @@ def section(save, prompts, smoke: bool = False) -> None:
               "ways": {}}
     for name, rounds in results.items():
         report["ways"][name] = {key: statistics.median(r[key] for r in rounds) for key in
-                                ("tokens_per_second", "seconds", "first_record_seconds", "outside_steps")}
+                                ("tokens_per_second", "seconds", "ready_seconds", "first_record_seconds",
+                                 "outside_steps")}
         steady = [r["steady_tokens_per_second"] for r in rounds if r["steady_tokens_per_second"] is not None]
         report["ways"][name]["steady_tokens_per_second"] = statistics.median(steady) if steady else None
         report["ways"][name]["identical"] = all(r["tokens"] == reference and not r["errors"] for r in rounds)
@@ -121,11 +123,12 @@ def render(report: dict) -> list[str]:
              f"Medians of {report['runs']} rounds, the four ways interleaved. Starting the local Ray cluster took "
              f"{report['ray_cluster_start_seconds']:.1f} s (once). `outside steps`: the share of the workers' time "
              "not spent in the engine's step calls (loading, Ray, reading and writing).\n",
-             "| way | tokens/s | job seconds | first record after (s) | outside steps | identical |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| way | tokens/s | job seconds | models loaded after (s) | first record after (s) | outside steps | "
+             "identical |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, way in report["ways"].items():
         parts.append(f"| {name} | {way['tokens_per_second']:.1f} | {way['seconds']:.1f} | "
-                     f"{way['first_record_seconds']:.1f} | {way['outside_steps']:.1%} | "
+                     f"{way.get('ready_seconds', float('nan')):.1f} | {way['first_record_seconds']:.1f} | {way['outside_steps']:.1%} | "
                      f"{'yes' if way['identical'] else 'NO'} |")
     ratio = report["ray_vs_process"]
     parts.append(f"\nRay against one process: {ratio['speculative']:.2f}x speculative, {ratio['plain']:.2f}x plain "

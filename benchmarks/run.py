@@ -1,7 +1,7 @@
 """Regenerates every benchmark and the results section of BENCHMARKS.md.
 
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
-    python benchmarks/run.py default    # only some: default, llama, gemma, mixed, batch, qwen, engine, batch-ray, ...
+    python benchmarks/run.py default    # only some: default, heads, llama, gemma, mixed, batch, qwen, engine, ...
     python benchmarks/run.py engine-smoke   # a reduced engine run (results/engine-smoke.json only)
     python benchmarks/run.py engine-batch1  # only the engine's batch-1 comparison with the code before it
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
@@ -122,6 +122,45 @@ def section_batch():
     save("batch", report)
 
 
+def section_heads():
+    """The shipped verifier with its draft head (default-head), against the distilled draft at the
+    same K, with and without prompt lookup in front; c, alpha per position and tau apart."""
+    from speculative import SpeculativeConfig, SpeculativeDecoder
+    from speculative.costs import measure
+    from speculative.loading import ASSETS
+    from speculative.models.base import prefill
+    from speculative.proposers import HeadProposer
+
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    head, draft = load_model("default-head"), load_model("default-draft")
+    ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
+    drafts = {"head": head, "head+lookup": head, "draft": draft, "draft+lookup": draft}
+    report = run_bench(target, drafts, ids, max_new=64, runs=3, ks=(4,), eos=None, ngram=False, peers=False,
+                       lookup=("head+lookup", "draft+lookup"))
+    judged = {}  # greedy, fixed K = 4, draft model alone: alpha per position and tau
+    for name, model in (("head", head), ("draft", draft)):
+        decoder = SpeculativeDecoder(target, model, SpeculativeConfig(num_draft_tokens=4, adaptive=False))
+        for row in ids:
+            decoder.generate(row, 64)
+        stats = decoder.stats
+        judged[name] = {"alpha": round(stats.acceptance_rate, 4), "tau": round(stats.tokens_per_forward, 3),
+                        "alpha_at": [round(a / d, 4) for a, d in zip(stats.accepted_at, stats.drafted_at)]}
+    with torch.inference_mode():  # c: one drafting step against a one-token target forward, batch 1
+        proposer = HeadProposer(head, target)
+        proposer.add_rows(ids[:1], 512, [None], [None])
+        state = prefill(target, ids[:1], 512)
+        ratios = []
+        for _ in range(5):
+            costs = measure(target, state, ids[:1], proposer, 4)
+            ratios.append(costs.draft / costs.v1)
+    trained = json.loads((ASSETS / "head" / "report.json").read_text())
+    report["heads"] = {"judged": judged, "c": round(sorted(ratios)[len(ratios) // 2], 3),
+                       "training": trained["training"], "head_parameters": trained["head_parameters"],
+                       "unroll": trained["unroll"], "vocab": trained["vocab"], "data": trained["data"]}
+    report["title"] = "Shipped verifier with its draft head (default-head), code completion, greedy, 64 new tokens"
+    save("heads", report)
+
+
 # The last landed commit before the step engine: its decoder is the batch-1 baseline.
 BEFORE_ENGINE = "3f53885"
 
@@ -224,7 +263,7 @@ def section_serve(smoke: bool = False):
 
 
 SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section_gemma, "mixed": section_mixed,
-            "batch": section_batch, "qwen": lambda: qwen.section(save),
+            "batch": section_batch, "heads": section_heads, "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
@@ -234,8 +273,19 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "batch-ray": lambda: batch_ray.section(save, prompts),
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
             "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True)}
-TABLES = ("default", "default-bfloat16", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen", "qwen-transformers",
-          "qwen-bfloat16")
+TABLES = ("default", "default-bfloat16", "heads", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
+          "qwen-transformers", "qwen-bfloat16")
+
+
+def heads_words(heads: dict) -> str:
+    """The head section's figures beside its table: judged acceptance, c, training."""
+    judged, training = heads["judged"], heads["training"]
+    rows = "; ".join(f"{name}: alpha {j['alpha']:.3f}, tau {j['tau']:.2f}, alpha per position "
+                     f"{', '.join(f'{a:.2f}' for a in j['alpha_at'])}" for name, j in judged.items())
+    return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f} of a "
+            f"one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
+            f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min on "
+            f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, unroll {heads['unroll']}).\n")
 
 
 def render() -> str:
@@ -246,6 +296,8 @@ def render() -> str:
         if path.is_file():
             report = json.loads(path.read_text())
             parts.append(f"### {report.get('title', name)}\n\n```\n{table(report).rstrip()}\n```\n")
+            if "heads" in report:
+                parts.append(heads_words(report["heads"]))
             if (RESULTS / f"{name}.png").is_file():
                 parts.append(f"![{name}](results/{name}.png)\n")
     path = RESULTS / "divergence.json"

@@ -73,6 +73,7 @@ def test_every_greedy_record_equals_its_prompt_alone(tmp_path, pair):
         assert got["finish_reason"] == "length" and len(got["token_ids"]) == row["max_tokens"]
         assert 0 <= got["accepted"] <= got["drafted"] and 1 <= got["target_forwards"] <= row["max_tokens"]
     assert 0 < summary.step_seconds <= summary.seconds
+    assert 0 < summary.ready_seconds < summary.first_record_seconds < summary.seconds
 
 
 def test_seeded_sampled_records_do_not_depend_on_the_batch(tmp_path):

@@ -78,6 +78,7 @@ def test_forty_records_on_two_actors_equal_one_process(tmp_path, cluster, pair):
     assert "token id 70000, outside the vocabulary" in by_id["out-of-range"]["error"]
     assert "\"prompt\" must be a string" in by_id["wrong-type"]["error"]
     assert 0 < summary.first_record_seconds < summary.seconds and 0 < summary.step_seconds
+    assert 0 < summary.ready_seconds < summary.first_record_seconds  # the actors' clocks: one machine
 
 
 def test_an_actor_killed_midway_costs_nothing(tmp_path, cluster, pair):

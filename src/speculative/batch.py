@@ -227,6 +227,9 @@ class Summary:
     seconds: float = 0.0
     # Seconds from the job's start until its first record was written (start-up: models, Ray).
     first_record_seconds: float | None = None
+    # Seconds from the job's start until every worker had its models loaded (for Ray: the
+    # actors' own clocks, so on one machine, or on nodes whose clocks agree).
+    ready_seconds: float | None = None
     # Seconds inside the engines' step calls, summed over workers.
     step_seconds: float = 0.0
     skipped: int = 0
@@ -279,6 +282,7 @@ def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = Tr
     try:
         if todo:
             worker = Worker(spec, clock)
+            summary.ready_seconds = clock() - started
             with progress(len(todo), show_progress) as bar:
                 for record in worker.generate(todo):
                     if output.write(record):

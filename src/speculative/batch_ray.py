@@ -34,6 +34,7 @@ class GenerateBatch:
         self.skip = skip
         self.lines = lines  # rows are JSON lines (read_text's "text"), else records (Parquet)
         self.node = ray.get_runtime_context().get_node_id()
+        self.loaded_at = time.time()  # wall clock: the driver compares it with its own
 
     def __call__(self, batch) -> dict:
         """Output lines of the batch's records (those not done yet), and what the call cost."""
@@ -43,9 +44,12 @@ class GenerateBatch:
         inside = self.worker.step_seconds
         lines = [json.dumps(out, ensure_ascii=False)
                  for out in self.worker.generate(r for r in rows if r["id"] not in self.skip)]
-        # The call's seconds inside engine steps ride on its first line (zero on the others).
-        steps = [self.worker.step_seconds - inside] + [0.0] * (len(lines) - 1) if lines else []
-        return {"line": lines, "node": [self.node] * len(lines), "step_seconds": steps}
+        # The call's seconds inside engine steps, and when this actor had loaded its models,
+        # ride on its first line (zero on the others).
+        first = [1.0] + [0.0] * (len(lines) - 1) if lines else []
+        return {"line": lines, "node": [self.node] * len(lines),
+                "step_seconds": [(self.worker.step_seconds - inside) * f for f in first],
+                "loaded_at": [self.loaded_at * f for f in first]}
 
 
 def connect(address: str | None) -> bool:
@@ -74,7 +78,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
     todo = sum(1 for _ in pending(records, output.done))
-    started = clock()
+    started, started_at = clock(), time.time()
     joined = False
     try:
         if todo:
@@ -90,6 +94,9 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
                 for row in lines.iter_rows():
                     record = json.loads(row["line"])
                     summary.step_seconds += row["step_seconds"]
+                    if row["loaded_at"]:
+                        loaded = row["loaded_at"] - started_at
+                        summary.ready_seconds = max(summary.ready_seconds or 0.0, loaded)
                     if output.write(record):
                         summary.count(record, started, clock())
                         summary.nodes[row["node"]] = summary.nodes.get(row["node"], 0) + 1

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..config import SpeculativeConfig
 from ..decoder import SpeculativeDecoder, autoregressive_generate
+from ..kernels import PackedLinear
 from ..models.head import DraftHead, build_head, load_head, save_head
+from ..precision import cpu_has_fast
 from .loop import PhaseConfig, train_phase
 
 # Weight of unrolled step j in the loss: later steps matter less (they are reached less often).
@@ -46,7 +48,9 @@ class HeadTraining:
     seed: int = 0
     # Fixed step count (overrides the time budget): reproducible tests.
     steps: int | None = None
-    bf16: bool = True
+    # bfloat16 autocast: only where the CPU multiplies it natively (emulated, a step took
+    # 15x float32's time on an AVX2 CPU).
+    bf16: bool = field(default_factory=lambda: cpu_has_fast(torch.bfloat16))
     # Attention heads of the head's block.
     num_heads: int = 4
 
@@ -113,6 +117,9 @@ def train_head(target, data: torch.Tensor, out: Path, cfg: HeadTraining, target_
     """Train a head for `target` on the token stream `data`; saves it in `out` (with a
     checkpoint for --resume) and returns it with the training summary."""
     out = Path(out)
+    if any(isinstance(m, PackedLinear) for m in target.modules()):
+        raise ValueError("the target's linear layers are packed for inference and pass no gradients to the head: "
+                         "load it with load_model(..., pack=False) to train a head")
     target.eval().requires_grad_(False)
     vocab_ids = frequent_ids(data, target.vocab_size, cfg.vocab)
     head = build_head(target, target_name, vocab_ids, seed=cfg.seed, num_heads=cfg.num_heads).float()

@@ -64,7 +64,7 @@ def run(args) -> int:
         raise ValueError(f"--ship installs the preset default-head, a head for --target default, not {args.target}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
-    target = load_model(args.target)
+    target = load_model(args.target, pack=False)  # packed layers carry no gradients to the head
     tokenizer = getattr(target, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(f"--target {args.target} has no tokenizer: train-head needs one to read --data")
