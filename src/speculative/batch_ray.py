@@ -1,49 +1,51 @@
 """`speculative batch --ray`: the job on a Ray cluster, one engine per actor.
 
-Ray Data reads INPUT (`read_text` for JSON lines, `read_parquet`), and `map_batches` runs
-`GenerateBatch` on an actor pool: `concurrency` actors of `num_cpus` CPUs each, each with
-that many torch threads and its own models, loaded once when the actor starts. Every call
-takes up to max_batch_size records and returns their output lines; this process writes
-them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id). An actor
-that dies is restarted and its batch retried: Ray Data gives its actors max_restarts=-1 and
-max_task_retries=-1 (without a bound), so a killed actor (out of memory, a lost node)
-costs its batch, not the job (tests/test_batch_ray.py kills one).
+This process reads INPUT (ids checked, the ones already in OUTPUT left out) and hands the
+pending records to Ray Data as blocks of whole batches (`from_items`, each record pickled
+as it was read, so JSON and Parquet records reach the actors unchanged). `map_batches`
+runs `GenerateBatch` on an actor pool: `concurrency` actors of `num_cpus` CPUs each, each
+with that many torch threads and its own models, loaded once when the actor starts. Every
+call takes up to max_batch_size records and returns their output lines; this process
+writes them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id).
+Reading in this process costs Ray no read tasks (each wanted a worker process of its own:
+seconds of start-up on a small machine), and the nodes need no access to INPUT.
+
+An actor that dies is restarted and its batch retried: Ray Data gives its actors
+max_restarts=-1 and max_task_retries=-1 (without a bound), so a killed actor (out of
+memory, a lost node) costs its batch, not the job (tests/test_batch_ray.py kills one).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import pickle
 import time
 from pathlib import Path
 from typing import Callable
 
 from .batch import ModelSpec, Summary, Worker, progress
-from .batch_files import OutputFile, is_parquet, pending, read_records
+from .batch_files import OutputFile, pending, read_records
 
 
 class GenerateBatch:
     """The callable class of `map_batches`: one Worker per actor."""
 
-    def __init__(self, spec: ModelSpec, threads: int, skip: frozenset, lines: bool):
+    def __init__(self, spec: ModelSpec, threads: int):
         import ray
         import torch
 
         torch.set_num_threads(threads)
         self.worker = Worker(spec)
-        self.skip = skip
-        self.lines = lines  # rows are JSON lines (read_text's "text"), else records (Parquet)
         self.node = ray.get_runtime_context().get_node_id()
         self.loaded_at = time.time()  # wall clock: the driver compares it with its own
 
     def __call__(self, batch) -> dict:
-        """Output lines of the batch's records (those not done yet), and what the call cost."""
-        rows = batch.to_pylist()
-        if self.lines:  # as batch_files reads them: a byte-order mark dropped, blank lines skipped
-            rows = [json.loads(text) for text in (row["text"].lstrip("\ufeff") for row in rows) if text.strip()]
+        """Output lines of the batch's records, and what the call cost."""
+        records = [pickle.loads(item) for item in batch.column("record").to_pylist()]
         inside = self.worker.step_seconds
-        lines = [json.dumps(out, ensure_ascii=False)
-                 for out in self.worker.generate(r for r in rows if r["id"] not in self.skip)]
+        lines = [json.dumps(out, ensure_ascii=False) for out in self.worker.generate(records)]
         # The call's seconds inside engine steps, and when this actor had loaded its models,
         # ride on its first line (zero on the others).
         first = [1.0] + [0.0] * (len(lines) - 1) if lines else []
@@ -77,7 +79,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
     spec = spec.check()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
-    todo = sum(1 for _ in pending(records, output.done))
+    todo = [record for _, record in pending(records, output.done)]
     started, started_at = clock(), time.time()
     joined = False
     try:
@@ -89,8 +91,8 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
                 raise ValueError(f"--actors {actors} x --threads-per-actor {threads} needs {actors * threads} CPUs; "
                                  f"the cluster has {cpus}")
             summary.workers = actors
-            lines = dataset(input_path, spec, actors, threads, frozenset(output.done), todo)
-            with progress(todo, show_progress) as bar:
+            lines = dataset(todo, spec, actors, threads)
+            with progress(len(todo), show_progress) as bar:
                 for row in lines.iter_rows():
                     record = json.loads(row["line"])
                     summary.step_seconds += row["step_seconds"]
@@ -110,27 +112,21 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
     return summary
 
 
-def dataset(input_path, spec: ModelSpec, actors: int, threads: int, skip: frozenset, todo: int):
-    """The Ray Data pipeline: read, then generate on the actor pool.
+def dataset(records: list[dict], spec: ModelSpec, actors: int, threads: int):
+    """The Ray Data pipeline: the records, then generate on the actor pool.
 
     Work is spread over every actor: the pool starts all of them (models loaded) before the
-    first batch is handed out, and the input is cut into enough blocks (one batch each, up to
-    8 per actor) that no actor gets a block other actors could have shared. Without both, the
-    first actor ready takes every block of a short job."""
-    import math
-
+    first batch is handed out, and the records are cut into enough blocks (one batch each,
+    up to 8 per actor) that no actor gets a block other actors could have shared. Without
+    both, the first actor ready takes every block of a short job."""
     import ray
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours counts records and tokens
     context.wait_for_min_actors_s = 600
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    # Reading reserves no CPU, so it never waits behind actors that hold every CPU. The path
-    # must be readable on every node (a local file on one machine, shared storage on several).
-    path = str(Path(input_path).resolve())
-    data = (ray.data.read_parquet if is_parquet(input_path) else ray.data.read_text)(
-        path, num_cpus=0, override_num_blocks=max(1, min(math.ceil(todo / spec.max_batch_size), 8 * actors)))
-    return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads, "skip": skip,
-                                                                   "lines": not is_parquet(input_path)},
+    blocks = max(1, min(math.ceil(len(records) / spec.max_batch_size), 8 * actors))
+    data = ray.data.from_items([{"record": pickle.dumps(record)} for record in records], override_num_blocks=blocks)
+    return data.map_batches(GenerateBatch, fn_constructor_kwargs={"spec": spec, "threads": threads},
                             batch_size=spec.max_batch_size, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads)
