@@ -285,7 +285,8 @@ def heads_words(heads: dict) -> str:
     return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f} of a "
             f"one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
             f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min on "
-            f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, unroll {heads['unroll']}).\n")
+            f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "
+            f"unroll {heads['unroll']}).\n")
 
 
 def render() -> str:
