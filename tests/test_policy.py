@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig
-from speculative.adaptive import AdaptivePolicy
+from speculative.adaptive import AdaptivePolicy, Costs
 from speculative.engine import Engine
 from speculative.rows import SamplingParams
 from helpers import TableModel
@@ -98,3 +98,28 @@ def test_a_useless_draft_is_switched_off_under_the_same_timings(costs):
     """The negative control: the same clock and costs, a draft that is never right."""
     late = run(0, costs)
     assert late["drafted"] / late["forwards"] < 0.5
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["underconfident draft", "negative control: wrong"])
+def test_tokens_under_the_confidence_floor_are_still_learned(right):
+    """A draft whose tokens of confidence 0.15 are right (a draft head trained on soft
+    targets) starts under the floor its prior puts above it; the policy drafts past the floor
+    now and then, learns, and lowers it. When those tokens are wrong, the floor stays."""
+    policy = AdaptivePolicy(max_k=4)
+    costs = Costs(v1=1.0, draft=0.25)
+    for width, seconds in ((2, 1.02), (5, 1.1)):
+        costs.add(width, seconds, robust=False)
+    policy.costs[1] = costs
+    policy.model.observe([4] * 50, [4] * 50)  # the draft's confident tokens are kept
+    floors = []
+    for _ in range(200):
+        plan = policy.plan(1, [0], [False], [4], True)
+        assert plan.use_model
+        floors.append(plan.min_confidence)
+        if plan.min_confidence <= 0.15:  # the row drafts its confidence-0.15 token, then one more
+            policy.observe_confidence([2], [2 if right else 0], [[0.15, 0.95]])
+    assert floors[0] > 0.15  # the prior: tokens that unsure were not expected to pay
+    if right:
+        assert sum(f <= 0.15 for f in floors[-50:]) == 50
+    else:
+        assert sum(f <= 0.15 for f in floors[-50:]) <= 50 // policy.probe_every + 1

@@ -23,7 +23,8 @@ step) wins when speculation cannot pay, as happens on CPUs once the batch is lar
 enough that a wider forward costs as much as the tokens it saves; a probe step is then
 still tried every `probe_every` steps so that the estimates can recover. Within a step a
 model row stops drafting at a token whose confidence predicts an acceptance below
-break-even, (d + s) / v1: the token would cost more than it is expected to save.
+break-even, (d + s) / v1: the token would cost more than it is expected to save (every
+`probe_every` model steps one drafts without that floor, to learn the bins under it).
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ class Plan:
 class AdaptivePolicy:
     # Upper bound on the draft length.
     max_k: int
-    # With no drafting chosen, draft one token every this many steps to keep learning.
+    # With no drafting chosen, draft one token every this many steps to keep learning; and
+    # every this many model steps, draft without the confidence floor.
     probe_every: int = 16
     model: Acceptance = None
     lookup: Acceptance = None
@@ -192,6 +194,8 @@ class AdaptivePolicy:
     # Steps since drafting ran at all, and since the draft model ran where it could have.
     idle_steps: int = 0
     model_idle_steps: int = 0
+    # Model steps since one drafted without the confidence floor.
+    floor_steps: int = 0
     # Where costs come from for a batch size not planned yet: a `costs.CostBook` shared by
     # every policy on the same models; None: measured by each policy itself.
     book: object = None
@@ -249,7 +253,14 @@ class AdaptivePolicy:
             self.idle_steps = self.model_idle_steps = 0
             return Plan(max(1, best.width), probe_model or best.use_model)
         if best.use_model:
-            best.min_confidence = self._min_confidence(costs)
+            self.floor_steps += 1
+            # Now and then a model step drafts without the confidence floor, so that the bins
+            # under it are observed too: a draft less confident than it is right (a draft head
+            # trained on soft targets) would otherwise never be drafted past such a token.
+            if self.floor_steps >= self.probe_every:
+                self.floor_steps = 0
+            else:
+                best.min_confidence = self._min_confidence(costs)
         return best
 
     @staticmethod
