@@ -22,7 +22,6 @@ import logging
 import math
 import pickle
 import time
-from pathlib import Path
 from typing import Callable
 
 from .batch import ModelSpec, Summary, Worker, progress
