@@ -93,6 +93,24 @@ def test_rows_join_a_running_batch(trained):
     assert engine.stats.accepted > 0
 
 
+def test_a_long_prompt_joins_a_row_near_the_end_of_its_context(trained):
+    """A joining row's prompt is read in a forward of its own: padded to its width, the
+    running row's slots would run past the context (the row at 220 of 256, a prompt of 60)."""
+    target, head, _, _ = trained
+    gen = torch.Generator().manual_seed(11)
+    first, second, joining = (torch.randint(0, 64, (n,), generator=gen).tolist() for n in (100, 20, 60))
+    requests = [(first, 150), (second, 120), (joining, 20)]
+    engine = Engine(target, head, SpeculativeConfig(num_draft_tokens=3, adaptive=False), max_batch_size=2)
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(ids, SamplingParams(max_new_tokens=n), request_id=i)
+    got = {i: [] for i in range(len(requests))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    for i, (ids, n) in enumerate(requests):
+        assert got[i] == autoregressive_generate(target, ids, n), i
+
+
 def test_save_and_load(trained, tmp_path):
     target, head, _, _ = trained
     save_head(head, tmp_path / "again")

@@ -59,19 +59,37 @@ class HeadProposer(DraftModelProposer):
 
     def catch_up(self, sequences: list[list[int]]) -> None:
         """Read what the head has not, but the last `catch_up_limit` tokens, without drafting."""
+        self._read_apart(sequences)
         pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
         if max(map(len, pending)) > self.catch_up_limit:
             self._read([p[:-1] for p in pending])
 
-    def _read(self, pending: list[list[int]]) -> torch.Tensor:
-        """Read committed tokens with the target's features; h (B, T, H)."""
-        starts = self.state.lengths
+    def _read_apart(self, sequences: list[list[int]]) -> None:
+        """Rows that joined a running batch read their prompts in a forward of their own:
+        padded to a prompt's width, the other rows' slots could run past the context."""
+        unread = [i for i, (n, seq) in enumerate(zip(self.state.lengths, sequences)) if n == 0 and
+                  len(seq) - 1 > self.catch_up_limit]
+        if not unread or len(unread) == len(sequences):
+            return
+        others = [i for i in range(len(sequences)) if i not in set(unread)]
+        joined = self.model.new_state(len(unread), self.capacity)
+        self._read([sequences[i][:-1] for i in unread], unread, joined)
+        self.model.select_rows(self.state, others)
+        self.model.add_rows(self.state, joined, self.capacity)
+        place = {row: j for j, row in enumerate(others + unread)}
+        self.model.select_rows(self.state, [place[i] for i in range(len(sequences))])
+
+    def _read(self, pending: list[list[int]], rows: list[int] | None = None, state=None) -> torch.Tensor:
+        """Read committed tokens with the target's features; h (B, T, H). `rows` and `state`:
+        these rows only, into a state of their own (default: every row, the head's state)."""
+        rows = range(len(pending)) if rows is None else rows
+        state = self.state if state is None else state
         width = max(1, max(map(len, pending)))
         features = torch.zeros(len(pending), width, self.model.cfg.hidden_size, device=self.model.device)
-        for row, (start, tokens) in enumerate(zip(starts, pending)):
-            features[row, :len(tokens)] = self.features[row][start:start + len(tokens)]
+        for i, (row, start, tokens) in enumerate(zip(rows, state.lengths, pending)):
+            features[i, :len(tokens)] = self.features[row][start:start + len(tokens)]
         tokens = pad(pending, self.model.device)
-        return self.model(self.embed(tokens), features, self.state, [len(p) for p in pending])
+        return self.model(self.embed(tokens), features, state, [len(p) for p in pending])
 
     def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
         """Logits (B, T, N) as DraftModelProposer.propose asks for them: first over the pending
