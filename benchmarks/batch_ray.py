@@ -14,9 +14,9 @@ Reported per way: tokens/s over the whole job; seconds until every worker has it
 loaded and until the first record is written (start-up: actors, model loading; the
 cluster's own start is reported once apart); time outside the engines' step calls
 (1 - step seconds / (workers x job seconds)); and whether every record equals the first
-way's. For Ray, a projection to more actors from the measured
-per-actor rate after start-up (from the moment every actor had its models loaded; each
-actor on a core of its own, the writer never the limit).
+way's. For Ray, a projection to more actors from the measured per-actor rate after
+start-up (from the moment every actor had its models loaded; each actor on a core of its
+own, the writer never the limit).
 """
 
 from __future__ import annotations

@@ -272,9 +272,10 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
             "batch-ray": lambda: batch_ray.section(save, prompts),
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
-            "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True)}
+            "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True),
+            "trees-gemma": lambda: trees.gemma_section(save, prompts)}
 TABLES = ("default", "default-bfloat16", "heads", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
-          "qwen-transformers", "qwen-bfloat16")
+          "qwen-transformers", "qwen-bfloat16", "trees-gemma")
 
 
 def heads_words(heads: dict) -> str:

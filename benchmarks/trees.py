@@ -1,6 +1,7 @@
 """Token trees (issue 15): trees against chains of the same verify width, and plain decoding.
 
-Two parts, on the shipped pair's verifier (fast here; no Gemma download needed):
+Two parts, on the shipped pair's verifier (fast here; no Gemma download needed), and a
+third, `trees-gemma`, on Gemma 3 270M:
 
 - `lookup`: code completion with n-gram drafts: a chain of K = 8, a chain of K = 16 (the
   trees' verify width), and n-gram trees of 16 nodes, depth 8, top-3 children (run_bench:
@@ -11,6 +12,9 @@ Two parts, on the shipped pair's verifier (fast here; no Gemma download needed):
   method in turn (interleaved), passes timed apart; speed-ups are per pass, against plain
   decoding in the same pass. tau = tokens per target forward; alpha per depth = kept /
   drafted at that depth.
+- `trees-gemma`: Gemma 3 270M on the grounded-editing prompts (the `gemma` section's
+  workload, 128 new tokens): n-gram chains of K = 10 (fixed and adaptive, the `gemma`
+  section's best), a chain of the trees' verify width, and n-gram trees of GEMMA_NODES nodes.
 """
 
 import statistics
@@ -22,6 +26,7 @@ from speculative.bench import run_bench
 
 MAX_NEW = 96
 NODES, DEPTH, TOP_K = 16, 8, 3
+GEMMA_NODES, GEMMA_DEPTH = 24, 10
 
 
 def engine_pass(engine, prompts):
@@ -86,4 +91,15 @@ def section(save, prompts, smoke: bool = False):
     report = {"lookup": lookup, "repeated": repeated(target, ids), "prompts": len(ids), "max_new_tokens": MAX_NEW,
               "nodes": NODES, "depth": DEPTH, "top_k": TOP_K}
     save("trees-smoke" if smoke else "trees", report)
+    return report
+
+
+def gemma_section(save, prompts) -> dict:
+    target = load_model("gemma-3-270m")
+    ids = prompts("grounded_editing.jsonl", target.tokenizer)
+    report = run_bench(target, {}, ids, max_new=128, runs=2, ks=(GEMMA_DEPTH,), eos=None, peers=False,
+                       tree=(TOP_K, GEMMA_NODES))
+    report["title"] = (f"Token trees on Gemma 3 270M, input-grounded prompts (greedy, 128 new tokens): n-gram trees "
+                       f"({GEMMA_NODES} nodes, depth {GEMMA_DEPTH}, top-{TOP_K}) against chains")
+    save("trees-gemma", report)
     return report
