@@ -46,6 +46,15 @@ def test_generate_with_no_arguments(capsys):
     assert "tokens/s" in out and "acceptance rate" in out and "tokens per target forward" in out
 
 
+def test_generate_with_no_draft_prints_the_same_text(capsys):
+    assert main(["generate", "--max-new-tokens", "24"]) == 0
+    drafted = capsys.readouterr().out
+    assert main(["generate", "--draft", "none", "--max-new-tokens", "24"]) == 0
+    plain = capsys.readouterr().out
+    assert plain.split("\n[")[0] == drafted.split("\n[")[0]
+    assert "1.00 tokens per target forward" in plain
+
+
 def test_generate_with_the_s4d_draft_streaming_and_sampling(capsys):
     assert main(["generate", "--draft", "s4d", "--stream", "--max-new-tokens", "16", "--temperature", "0.8",
                  "--seed", "3", "--prompt", "import os\n"]) == 0

@@ -41,11 +41,16 @@ def draft_model_name(name: str) -> str:
 
 
 def make_draft(name: str, device: str, args):
-    """The draft named on the command line: a path, a preset, 's4d', 'ngram', or a model
-    followed by '+ngram' (prompt lookup first, the model where lookup finds nothing)."""
+    """The draft named on the command line: a path, a preset, 's4d', 'ngram', 'suffix',
+    'none', or a model followed by '+ngram' (prompt lookup first, the model where lookup
+    finds nothing)."""
     from . import NGramProposer
     from .loading import load_draft
 
+    if name == "none":  # plain decoding through the same engine, as `batch` and `serve` take it
+        from .proposers import NoDraft
+
+        return NoDraft()
     if name == "ngram":
         return NGramProposer(max_ngram=args.ngram_max, min_ngram=args.ngram_min,
                              num_draft_tokens=args.num_draft_tokens)
@@ -111,8 +116,8 @@ def add_generate(sub) -> None:
                    "preset: default, gemma-3-270m (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
                    "draft), 'ngram' (prompt lookup, no draft model), 'suffix' (lookup plus earlier outputs of "
-                   "this run), or a model followed by '+ngram' (prompt lookup first, the model where lookup "
-                   "finds nothing). Default: default-draft+ngram for the "
+                   "this run), 'none' (plain decoding: the target alone), or a model followed by '+ngram' (prompt "
+                   "lookup first, the model where lookup finds nothing). Default: default-draft+ngram for the "
                    "shipped target, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
@@ -177,7 +182,9 @@ def run_generate(args) -> int:
     target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(draft_name, device, args)
-    vocab = None if draft_name in LOOKUPS else draft_vocab(args, tokenizer)
+    if draft_name == "none" and args.draft_vocab:
+        raise ValueError("--draft-vocab applies to a draft model; --draft none drafts nothing")
+    vocab = None if draft_name in (*LOOKUPS, "none") else draft_vocab(args, tokenizer)
     models = [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else [])
     for model, role in models:
         check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
