@@ -144,11 +144,15 @@ class DraftModelProposer:
         if not unread or len(unread) == len(sequences):
             return
         others = [i for i in range(len(sequences)) if i not in set(unread)]
+        joined = self._read_joined([sequences[i] for i in unread], unread)
         self.model.select_rows(self.state, others)
-        prompts = [sequences[i] for i in unread]
-        self.model.add_rows(self.state, prefill(self.model, prompts, max(map(len, prompts))), self.capacity)
+        self.model.add_rows(self.state, joined, self.capacity)
         place = {row: j for j, row in enumerate(others + unread)}
         self.model.select_rows(self.state, [place[i] for i in range(len(sequences))])
+
+    def _read_joined(self, prompts: list[list[int]], rows: list[int]):
+        """A state of its own holding these rows' prompts, read."""
+        return prefill(self.model, prompts, max(map(len, prompts)))
 
     @staticmethod
     def _confidence(logits, drafted, q, draws) -> list[float]:

@@ -64,20 +64,12 @@ class HeadProposer(DraftModelProposer):
         if max(map(len, pending)) > self.catch_up_limit:
             self._read([p[:-1] for p in pending])
 
-    def _read_apart(self, sequences: list[list[int]]) -> None:
-        """Rows that joined a running batch read their prompts in a forward of their own:
-        padded to a prompt's width, the other rows' slots could run past the context."""
-        unread = [i for i, (n, seq) in enumerate(zip(self.state.lengths, sequences)) if n == 0 and
-                  len(seq) - 1 > self.catch_up_limit]
-        if not unread or len(unread) == len(sequences):
-            return
-        others = [i for i in range(len(sequences)) if i not in set(unread)]
-        joined = self.model.new_state(len(unread), self.capacity)
-        self._read([sequences[i][:-1] for i in unread], unread, joined)
-        self.model.select_rows(self.state, others)
-        self.model.add_rows(self.state, joined, self.capacity)
-        place = {row: j for j, row in enumerate(others + unread)}
-        self.model.select_rows(self.state, [place[i] for i in range(len(sequences))])
+    def _read_joined(self, prompts: list[list[int]], rows: list[int]):
+        """Joined rows' prompts (their last token apart, as `catch_up` leaves it) read with
+        their features into a state of their own."""
+        joined = self.model.new_state(len(prompts), self.capacity)
+        self._read([p[:-1] for p in prompts], rows, joined)
+        return joined
 
     def _read(self, pending: list[list[int]], rows: list[int] | None = None, state=None) -> torch.Tensor:
         """Read committed tokens with the target's features; h (B, T, H). `rows` and `state`:
