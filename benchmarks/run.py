@@ -273,9 +273,10 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "batch-ray": lambda: batch_ray.section(save, prompts),
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
             "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True),
-            "trees-gemma": lambda: trees.gemma_section(save, prompts)}
+            "trees-gemma": lambda: trees.gemma_section(save, prompts),
+            "trees-models": lambda: trees.models_section(save, prompts)}
 TABLES = ("default", "default-bfloat16", "heads", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
-          "qwen-transformers", "qwen-bfloat16", "trees-gemma")
+          "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-models")
 
 
 def heads_words(heads: dict) -> str:
@@ -300,6 +301,8 @@ def render() -> str:
             parts.append(f"### {report.get('title', name)}\n\n```\n{table(report).rstrip()}\n```\n")
             if "heads" in report:
                 parts.append(heads_words(report["heads"]))
+            if name.startswith("trees-"):
+                parts.append(depth_words(report))
             if (RESULTS / f"{name}.png").is_file():
                 parts.append(f"![{name}](results/{name}.png)\n")
     path = RESULTS / "divergence.json"
@@ -345,12 +348,16 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def depth_words(report: dict) -> str:
+    return "Acceptance per depth (kept / drafted at that depth): " + "; ".join(
+        f"{m['name']}: {', '.join(f'{a:.2f}' for a in m['acceptance_per_depth'])}"
+        for m in report["methods"] if m.get("acceptance_per_depth")) + "\n"
+
+
 def render_trees(report: dict) -> list[str]:
     lookup = report["lookup"]
     parts = [f"### {lookup['title']}\n", f"```\n{table(lookup).rstrip()}\n```\n",
-             "Acceptance per depth (kept / drafted at that depth): " + "; ".join(
-                 f"{m['name']}: {', '.join(f'{a:.2f}' for a in m['acceptance_per_depth'])}"
-                 for m in lookup["methods"] if m.get("acceptance_per_depth")) + "\n",
+             depth_words(lookup),
              f"### Repeated tasks: {report['prompts']} prompts twice through one engine per method (batch 1, greedy, "
              f"{report['max_new_tokens']} new tokens; trees of {report['nodes']} nodes, depth {report['depth']}, "
              f"top-{report['top_k']})\n",

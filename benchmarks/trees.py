@@ -15,6 +15,10 @@ third, `trees-gemma`, on Gemma 3 270M:
 - `trees-gemma`: Gemma 3 270M on the grounded-editing prompts (the `gemma` section's
   workload, 128 new tokens): n-gram chains of K = 10 (fixed and adaptive, the `gemma`
   section's best), a chain of the trees' verify width, and n-gram trees of GEMMA_NODES nodes.
+- `trees-models`: model trees (EAGLE-2 expansion) on the shipped verifier, held-out code
+  completion (the `heads` section's workload): the distilled draft and the draft head, alone
+  and behind lookup trees, each as a chain of K = 4, a chain of the trees' verify width
+  (K = MODEL_NODES) and a tree of MODEL_NODES nodes (depth MODEL_DEPTH, top-MODEL_TOP_K).
 """
 
 import statistics
@@ -22,11 +26,12 @@ import time
 
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, SuffixProposer, load_model, \
     load_tokenizer
-from speculative.bench import run_bench
+from speculative.bench import plain_method, run_bench, run_methods, speculative_method
 
 MAX_NEW = 96
 NODES, DEPTH, TOP_K = 16, 8, 3
 GEMMA_NODES, GEMMA_DEPTH = 24, 10
+MODEL_NODES, MODEL_DEPTH, MODEL_TOP_K, MODEL_NEW = 16, 6, 4, 64
 
 
 def engine_pass(engine, prompts):
@@ -102,4 +107,27 @@ def gemma_section(save, prompts) -> dict:
     report["title"] = (f"Token trees on Gemma 3 270M, input-grounded prompts (greedy, 128 new tokens): n-gram trees "
                        f"({GEMMA_NODES} nodes, depth {GEMMA_DEPTH}, top-{TOP_K}) against chains")
     save("trees-gemma", report)
+    return report
+
+
+def models_section(save, prompts) -> dict:
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - MODEL_NEW - MODEL_NODES * MODEL_TOP_K)
+    methods = [plain_method("autoregressive", target)]
+    for name in ("draft", "head"):
+        model = load_model(f"default-{name}")
+        for lookup in (False, True):
+            label = name + ("+lookup" if lookup else "")
+            shapes = {f"{label} K=4": dict(num_draft_tokens=4),
+                      f"{label} chain K={MODEL_NODES}": dict(num_draft_tokens=MODEL_NODES),
+                      f"{label} tree top-{MODEL_TOP_K} {MODEL_NODES} nodes": dict(
+                          num_draft_tokens=MODEL_DEPTH, tree_top_k=MODEL_TOP_K, tree_max_tokens=MODEL_NODES)}
+            for method, shape in shapes.items():
+                config = SpeculativeConfig(adaptive=False, prompt_lookup=lookup, **shape)
+                methods.append(speculative_method(method, target, model, config))
+    report = run_methods(methods, ids, MODEL_NEW, 2)
+    report["title"] = (f"Model trees (EAGLE-2 expansion) on the shipped verifier, held-out code completion (greedy, "
+                       f"{MODEL_NEW} new tokens): trees of {MODEL_NODES} nodes (depth {MODEL_DEPTH}, "
+                       f"top-{MODEL_TOP_K}) against chains of K = 4 and of the same verify width")
+    save("trees-models", report)
     return report

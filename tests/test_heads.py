@@ -63,15 +63,61 @@ def test_greedy_equals_autoregressive(trained, lookup):
             assert stats.accepted_at[-1] > 0
 
 
-def test_trees_asked_of_a_head_say_so_and_draft_chains(trained):
-    """Tree steps do not hand features over: a head with lookup in front keeps chains, says
-    so once when the engine is built, and its output stays the target's own."""
+@pytest.mark.parametrize("lookup", [False, True])
+def test_head_trees_are_greedy_exact_in_ragged_batches(trained, lookup):
+    """EAGLE-2 trees from the head (alone, and behind lookup trees): the target's own output,
+    with paths kept off a node's first child, and more tokens per target forward than the
+    head's chains of the same depth on this (trained, so confident) pair."""
     target, head, _, _ = trained
-    batch = prompts(3, seed=4)
-    config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True, tree_top_k=2, tree_max_tokens=8)
-    with pytest.warns(UserWarning, match="features"):
-        decoder = SpeculativeDecoder(target, head, config)
-        assert decoder.generate(batch, 30) == autoregressive_generate(target, batch, 30)
+    batch, budgets = prompts(4, seed=4), [30, 6, 22, 1]
+    chain = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=4, adaptive=False,
+                                                               prompt_lookup=lookup))
+    decoder = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=lookup,
+                                                                 tree_top_k=3, tree_max_tokens=10, adaptive=False))
+    expected = autoregressive_generate(target, batch, budgets)
+    assert decoder.generate(batch, budgets) == expected and chain.generate(batch, budgets) == expected
+    assert decoder.stats.accepted > 0
+    per_forward = lambda d: d.stats.generated / d.stats.target_forwards  # noqa: E731
+    assert per_forward(decoder) > per_forward(chain)
+
+
+def test_head_tree_nodes_read_their_parents_features(trained):
+    """Each node of a head's tree is read with its parent's output feature: its logits equal
+    those after its path drafted as a chain (each token read with the head's feature before it)."""
+    from speculative.sampling import GREEDY
+
+    target, head, _, _ = trained
+    prompt = prompts(1, seed=6, low=8, high=9)[0]
+
+    def fresh():
+        proposer = HeadProposer(head, target).fork()
+        proposer.add_rows([prompt], 64, [GREEDY], [torch.Generator()])
+        with torch.no_grad():
+            _, hidden = target.forward(torch.tensor([prompt[:-1]]), target.new_state(1, 64), return_hidden=True)
+        proposer.read_features([hidden[0]])  # as the engine hands them over when the row joins
+        return proposer
+
+    tree_proposer, layers = fresh(), []
+    forward = tree_proposer._tree_forward
+
+    def recording(tokens, parents, positions, mask):
+        logits = forward(tokens, parents, positions, mask)
+        layers.append((tokens[0].tolist(), parents[0].tolist(), logits[0]))
+        return logits
+
+    tree_proposer._tree_forward = recording
+    with torch.no_grad():
+        tree_proposer.propose_tree([prompt], [3], 3, 12)
+        assert len(layers) == 2
+        read = []
+        for tokens, parents, logits in layers:
+            for j, (token, parent) in enumerate(zip(tokens, parents)):
+                read.append(([] if parent < 0 else read[parent]) + [token])
+                chain = fresh()
+                chain._root_logits([prompt])
+                for drafted in read[-1]:
+                    alone = chain._run(torch.tensor([[drafted]]))[0, -1]
+                torch.testing.assert_close(logits[j], alone, atol=1e-4, rtol=1e-4)
 
 
 def test_rows_join_a_running_batch(trained):
@@ -228,6 +274,11 @@ class Recording(HeadProposer):
                       zip(sequences, proposal.tokens, limits) if n > 0]
         return proposal
 
+    def propose_tree(self, sequences, limits, top_k, max_nodes):
+        trees = super().propose_tree(sequences, limits, top_k, max_nodes)  # node 0: the root's best child
+        self.seen += [(list(seq), tree.tokens[0]) for seq, tree, n in zip(sequences, trees, limits) if n > 0]
+        return trees
+
 
 def offline_first_draft(target, head, ids):
     """The head's greedy first draft after `ids`, from one target forward over the whole sequence."""
@@ -246,17 +297,19 @@ def hf_llama(tmp_path):
     return saved(llama(1), tmp_path / "llama")
 
 
-@pytest.mark.parametrize("kind", ["decoder_only", "transformers"])
-def test_the_head_reads_the_features_of_its_positions(kind, tmp_path):
-    """Every draft the engine's head makes (after prompts, lookup drafts and rejections alike)
-    equals the head's draft over a fresh target forward of the whole sequence; and the
-    output is the target's own."""
+@pytest.mark.parametrize("kind,trees", [("decoder_only", False), ("transformers", False), ("decoder_only", True),
+                                        ("transformers", True)])
+def test_the_head_reads_the_features_of_its_positions(kind, trees, tmp_path):
+    """Every draft the engine's head makes (after prompts, lookup drafts and rejections alike;
+    chains, or trees whose accepted paths hand their features over) equals the head's draft
+    over a fresh target forward of the whole sequence; and the output is the target's own."""
     target = tiny("decoder_only", seed=1) if kind == "decoder_only" else hf_llama(tmp_path)
     head = build_head(target, kind, seed=3)
     recording = Recording(head, target)
     batch = [[5, 6, 7, 8] * 4 + [5], prompts(1, seed=4, vocab=64)[0], [9]]
+    shape = dict(tree_top_k=3, tree_max_tokens=8) if trees else {}
     decoder = SpeculativeDecoder(target, HybridProposer(recording),
-                                 SpeculativeConfig(num_draft_tokens=3, adaptive=False))
+                                 SpeculativeConfig(num_draft_tokens=3, adaptive=False, **shape))
     assert decoder.generate(batch, 20) == [autoregressive_generate(target, ids, 20) for ids in batch]
     assert len(recording.seen) >= 10
     for ids, drafted in recording.seen:

@@ -9,7 +9,7 @@ from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig
     autoregressive_generate
 from speculative.models.base import prefill
 from speculative.tree import Tree, from_branches, tree_inputs
-from helpers import tiny
+from helpers import perturbed, sharpen, tiny
 
 torch.set_num_threads(1)
 
@@ -268,16 +268,15 @@ def test_the_g_test_catches_a_wrong_tree_rule(sampled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["draft model + ngram"])  # "ngram" alone passes too (30 s more)
+@pytest.mark.parametrize("source", ["draft model", "draft model + ngram"])  # "ngram" alone passes too (30 s more)
 def test_engine_trees_sample_the_target_distribution(source):
-    """End to end: lookup trees on a repetitive prompt (and the draft model's sampled chains
-    where lookup finds no preferred match), seeded sampled requests."""
-    from helpers import sharpen
-
+    """End to end, seeded sampled requests: the draft model's trees (its top-k children), and
+    lookup trees on a repetitive prompt with the draft model's trees where lookup finds no
+    preferred match."""
     target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 12.0)
     prompt = [1, 5, 2, 1, 5, 3, 1, 5, 2, 1, 5]
     config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=3, tree_top_k=3,
-                               tree_max_tokens=6, prompt_lookup=source != "ngram")
+                               tree_max_tokens=6, prompt_lookup=source == "draft model + ngram")
     draft = NGramProposer(num_draft_tokens=3) if source == "ngram" else \
         sharpen(tiny("decoder_only", vocab=VOCAB, seed=12), 12.0)
     decoder = SpeculativeDecoder(target, draft, config)
@@ -367,7 +366,7 @@ def test_suffix_trees_are_greedy_exact_in_ragged_batches():
 def test_the_command_line_drafts_trees(capsys):
     from speculative.cli import main
 
-    for draft in ("ngram", "suffix", "default-draft+ngram"):
+    for draft in ("ngram", "suffix", "default-draft+ngram", "default-draft", "default-head"):
         assert main(["generate", "--draft", draft, "--tree-top-k", "3", "--tree-max-tokens", "8",
                      "--max-new-tokens", "24", "--prompt", "x = [1, 2, 3]\nx = [1, 2, 3]\n"]) == 0
         assert "24 tokens in" in capsys.readouterr().out
@@ -377,19 +376,66 @@ def test_bench_compares_trees_with_chains_of_the_same_width():
     from speculative.bench import run_bench
 
     target = tiny("decoder_only", seed=0)
-    report = run_bench(target, {}, repetitive_prompts(2), max_new=12, runs=1, ks=(4,), adaptive=False, peers=False,
-                       tree=(2, 6), log=lambda *a: None)
+    draft = perturbed(target, 0.3, seed=1)
+    report = run_bench(target, {"d": draft}, repetitive_prompts(2), max_new=12, runs=1, ks=(4,), adaptive=False,
+                       peers=False, tree=(2, 6), log=lambda *a: None)
     methods = {m["name"]: m for m in report["methods"]}
-    assert list(methods) == ["autoregressive", "ngram K=4", "ngram chain K=6", "ngram tree top-2 6 nodes"]
+    assert list(methods) == ["autoregressive", "d K=4", "ngram K=4", "ngram chain K=6", "ngram tree top-2 6 nodes",
+                             "d chain K=6", "d tree top-2 6 nodes"]
+    assert methods["d tree top-2 6 nodes"]["acceptance_per_depth"]
     assert all(m["identical"] for m in report["methods"][1:])
     assert methods["ngram tree top-2 6 nodes"]["acceptance_per_depth"]
 
 
-def test_a_draft_model_alone_keeps_chains_and_says_so():
-    target, draft = tiny("decoder_only", seed=0), tiny("decoder_only", seed=1)
-    with pytest.warns(UserWarning, match="the draft DraftModelProposer drafts chains only"):
-        engine = Engine(target, draft, TREE)
-    assert not engine.trees
+@pytest.mark.parametrize("vocab", [None, list(range(0, 64, 2))], ids=["full vocabulary", "reduced vocabulary"])
+def test_draft_model_trees_are_greedy_exact_in_ragged_batches(vocab, kept_paths):
+    """EAGLE-2 expansion from a draft model alone (its reduced vocabulary too): the target's
+    own output, paths kept off a node's first child, and more tokens per target forward
+    than the draft's chains of the same depth."""
+    target = sharpen(tiny("decoder_only", seed=0), 4.0)
+    draft = perturbed(target, 0.3, seed=1)
+    prompts, budgets = repetitive_prompts(4, seed=2), [30, 5, 17, 1]
+    expected = autoregressive_generate(target, prompts, budgets)
+    chain = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, adaptive=False), draft_vocab=vocab)
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, tree_top_k=3, tree_max_tokens=10,
+                                                                  adaptive=False), draft_vocab=vocab)
+    assert decoder.generate(prompts, budgets) == expected and chain.generate(prompts, budgets) == expected
+    assert any(off_first_branch(tree, path) for tree, path in kept_paths)
+    if vocab is not None:
+        assert all(t % 2 == 0 for tree, _ in kept_paths for t in tree.tokens)
+    per_forward = lambda d: d.stats.generated / d.stats.target_forwards  # noqa: E731
+    assert per_forward(decoder) > per_forward(chain)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_draft_scores_each_tree_node_as_its_path_read_alone(kind):
+    """A draft model reads its tree over several forwards, each layer masked to the nodes
+    read before: every node's logits equal those of its path appended to the prompt alone."""
+    from speculative.proposers import DraftModelProposer
+    from speculative.sampling import GREEDY
+
+    model = MODELS[kind]()
+    proposer = DraftModelProposer(model).fork()
+    prompts = repetitive_prompts(2, seed=4)
+    proposer.add_rows(prompts, 128, [GREEDY] * 2, [torch.Generator(), torch.Generator()])
+    layers, forward = [], proposer._tree_forward
+
+    def recording(tokens, parents, positions, mask):
+        logits = forward(tokens, parents, positions, mask)
+        layers.append((tokens.tolist(), parents.tolist(), logits))
+        return logits
+
+    proposer._tree_forward = recording
+    trees = proposer.propose_tree(prompts, [4, 3], 3, 10)
+    assert len(layers) == 3 and list(map(len, trees)) == [10, 10]
+    assert max(trees[0].depths()) <= 4 and max(trees[1].depths()) <= 3
+    for b, prompt in enumerate(prompts):
+        read = []  # the path of every node read, in reading order
+        for tokens, parents, logits in layers:
+            for j, (token, parent) in enumerate(zip(tokens[b], parents[b])):
+                read.append(([] if parent < 0 else read[parent]) + [token])
+                alone = model.forward(torch.tensor([prompt + read[-1]]), model.new_state(1, 64))[0, -1]
+                torch.testing.assert_close(logits[b, j], alone, atol=1e-4, rtol=1e-4)
 
 
 def test_a_draft_model_behind_lookup_trees_is_exact():

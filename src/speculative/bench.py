@@ -125,9 +125,9 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
     first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
-    every draft model (None: all tokens). `tree` = (top_k, nodes) adds n-gram trees of that many
-    nodes (depth max(ks)), lookup trees for the `lookup` drafts, and an n-gram chain of the
-    same verify width (K = nodes). (A suffix cache needs one engine across prompts:
+    every draft model (None: all tokens). `tree` = (top_k, nodes) adds trees of that many nodes
+    (depth max(ks)) for n-gram lookup and every draft, and their chains of the same verify
+    width (K = nodes). (A suffix cache needs one engine across prompts:
     benchmarks/trees.py.) After a warm-up of every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
@@ -164,8 +164,8 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
         speculative(f"ngram tree top-{top_k} {nodes} nodes", NGramProposer(num_draft_tokens=max(ks)), "ngram",
                     max(ks), False, **shape)
         for name, draft in drafts.items():
-            if name in lookup:
-                speculative(f"{name} tree top-{top_k} {nodes} nodes", draft, name, max(ks), False, **shape)
+            speculative(f"{name} chain K={nodes}", draft, name, nodes, False)
+            speculative(f"{name} tree top-{top_k} {nodes} nodes", draft, name, max(ks), False, **shape)
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
@@ -237,7 +237,8 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
             result.draft_share = stats.draft_forward_seconds / decode
             result.verify_share = stats.target_forward_seconds / decode
             result.overhead_share = stats.overhead_seconds / decode
-            if not result.adaptive and stats.drafted and stats.target_forwards:
+            # The chain formula: not for trees (whose drafted nodes are not one path).
+            if not result.adaptive and not method.decoder.config.trees and stats.drafted and stats.target_forwards:
                 c = stats.draft_forward_seconds / stats.drafted * baseline
                 v = stats.target_forward_seconds / stats.target_forwards * baseline
                 result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)

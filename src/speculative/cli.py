@@ -29,7 +29,8 @@ LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and look
 def add_trees(p) -> None:
     """--tree-top-k and --tree-max-tokens (token trees), shared by generate, bench, batch and serve."""
     p.add_argument("--tree-top-k", type=integer(1), default=1, help="token trees: children tried per node; 1 = "
-                   "chains (default: %(default)s). Trees come from lookup drafts (ngram, suffix, MODEL+ngram)")
+                   "chains (default: %(default)s). Every draft branches: lookup by its matches, a model or head by "
+                   "its top-k children (EAGLE-2)")
     p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="token trees: most drafted nodes per "
                    "row and step (default: %(default)s)")
 
@@ -393,8 +394,8 @@ def add_bench(sub) -> None:
                    "(default: 1,2,4,8)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
     p.add_argument("--tree-top-k", type=integer(2), default=None, help="also token trees with this many children "
-                   "per node: n-gram trees (and MODEL+ngram drafts with lookup trees) of "
-                   "--tree-max-tokens nodes, against an n-gram chain of the same verify width")
+                   "per node: n-gram trees and every draft's trees of --tree-max-tokens nodes, against chains "
+                   "of the same verify width")
     p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="nodes per tree with --tree-top-k "
                    "(default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")

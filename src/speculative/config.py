@@ -49,10 +49,11 @@ class SpeculativeConfig:
     # With prompt_lookup: the shortest and longest n-grams looked up (longest first).
     min_ngram: int = 1
     max_ngram: int = 4
-    # Token trees: children tried per tree node (1 = chains, today's drafts). Above 1, sources
-    # that can branch (n-gram lookup, the suffix cache) draft trees of at most
-    # `tree_max_tokens` nodes and depth `num_draft_tokens`, verified in one target forward
-    # (tree.py); models that cannot branch (recurrent ones) and sources that cannot keep chains.
+    # Token trees: children tried per tree node (1 = chains, today's drafts). Above 1, drafts
+    # branch (n-gram lookup and the suffix cache by their matches, draft models and heads by
+    # EAGLE-2 expansion) into trees of at most `tree_max_tokens` nodes and depth
+    # `num_draft_tokens`, verified in one target forward (tree.py); targets that cannot
+    # branch (recurrent ones) and proposers that cannot keep chains.
     tree_top_k: int = 1
     # Token trees: the most drafted nodes per row and step (the tree's verify width less one).
     tree_max_tokens: int = 16

@@ -21,8 +21,8 @@ Glossary (one name per concept, here and in rows.py, proposers/ and adaptive.py)
   next step.
 
 - tree: a draft that branches (tree.py, `tree_top_k` > 1): lookup sources draft trees, a
-  draft model chains; one target forward verifies every row's tree, and the accepted
-  path's cache entries are compacted into place.
+  draft model or head expands one (EAGLE-2); one target forward verifies every row's tree,
+  and the accepted path's cache entries are compacted into place.
 
 A step runs six phases: 1 admit, 2 plan, 3 draft, 4 verify, 5 commit, 6 retire (a tree
 step: 2-5 in `_tree_step`, with a fixed plan).
@@ -114,8 +114,10 @@ class Engine:
             policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, self.proposer.model))
         self.policy = policy or self.fixed
         self.trees = config.trees and draft is not None and can_branch(target, self.proposer, config.tree_top_k)
-        # Slots a step may feed beyond a row's sequence: the widest draft.
-        self.width = max(config.num_draft_tokens, config.tree_max_tokens) if self.trees else config.num_draft_tokens
+        # Slots a step may feed beyond a row's sequence: the widest draft (a draft model
+        # expanding a tree reads top_k nodes per depth but the last).
+        self.width = (max(config.num_draft_tokens, config.tree_max_tokens,
+                          (config.num_draft_tokens - 1) * config.tree_top_k) if self.trees else config.num_draft_tokens)
         self.stats = DecodeStats()
         self.totals = totals
         self.waiting: deque[Row] = deque()
@@ -342,9 +344,9 @@ class Engine:
 
     def _tree_step(self, rows: list[Row], stats: DecodeStats, outputs: list) -> None:
         """Plan, draft, verify and commit with trees: rows with a lookup tree take it (when
-        preferred to the draft model's chain), the draft model chains K tokens for the
-        others; one forward over every row's last token and nodes, each node seeing its
-        ancestors only; then each row keeps its accepted path."""
+        preferred to the draft model's), the draft model expands a tree for the others; one
+        forward over every row's last token and nodes, each node seeing its ancestors only;
+        then each row keeps its accepted path."""
         config, sequences = self.config, [row.sequence for row in rows]
         caps = [max(0, min(config.num_draft_tokens, row.left - 1)) for row in rows]  # depths a row can use
         started = self.clock()
@@ -353,27 +355,29 @@ class Engine:
         take = [len(t) > 0 and (p or not model) for t, p in zip(trees, preferred)]
         trees = [t if taken else Tree([], []) for t, taken in zip(trees, take)]
         limits = [0 if taken or not model else cap for taken, cap in zip(take, caps)]
-        draft_probs = None
         if max(limits) > 0:
             self.proposer.catch_up(sequences)
             caught_up = self.clock()
-            drafted = self.proposer.propose(sequences, limits)
+            drafted = self.proposer.propose_tree(sequences, limits, config.tree_top_k, config.tree_max_tokens)
             stats.draft_forward_seconds += self.clock() - caught_up
-            for b, (chain, length) in enumerate(zip(drafted.tokens.tolist(), drafted.lengths)):
-                if limits[b]:
-                    trees[b] = Tree.chain(chain[:length])
-            if drafted.probs is not None:
-                draft_probs = [drafted.probs[b, :len(t)] if limits[b] else None for b, t in enumerate(trees)]
+            trees = [d if limit else t for t, d, limit in zip(trees, drafted, limits)]
         stats.draft_seconds += self.clock() - started
         started = self.clock()
         starts = [len(seq) - 1 for seq in sequences]
         tokens, positions, mask, counts = tree_inputs(trees, [seq[-1] for seq in sequences], starts,
                                                       self.target.device)
-        logits = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask)  # (B, 1+N, V)
+        hidden = None  # (B, 1+N, H): the features a draft head reads
+        if self.reads_features:
+            logits, hidden = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask,
+                                                 return_hidden=True)
+        else:
+            logits = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask)  # (B, 1+N, V)
         stats.target_forward_seconds += self.clock() - started
-        paths, extra = tree_verify_rows(trees, draft_probs, logits.float(), [row.sampler for row in rows],
+        # Every node is a deterministic candidate (lookup branches, a draft's top-k children).
+        paths, extra = tree_verify_rows(trees, None, logits.float(), [row.sampler for row in rows],
                                         [row.target_generator for row in rows])
-        self.target.compact(self.state, starts, [[0] + [node + 1 for node in path] for path in paths])
+        kept = [[0] + [node + 1 for node in path] for path in paths]
+        self.target.compact(self.state, starts, kept)
         stats.verify_seconds += self.clock() - started
         for row, tree, path, token in zip(rows, trees, paths, extra):
             output = row.commit([tree.tokens[node] for node in path] + [token], len(tree), len(path))
@@ -384,6 +388,8 @@ class Engine:
         stats.target_forwards += 1
         stats.record_step([max(t.depths(), default=0) for t in trees], [len(p) for p in paths], list(map(len, trees)))
         self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
+        if hidden is not None:  # the last committed token and the accepted path are in the target's state
+            self.proposer.read_features([hidden[b, index] for b, index in enumerate(kept)])
         if max(limits) > 0:
             self.proposer.commit([row.sequence for row in rows])
 

@@ -10,6 +10,9 @@ Node i sees the committed prefix and its own ancestors only (an ancestor mask), 
 prefix + depth(i): siblings share a position, so each root-to-leaf path is scored exactly
 as if it had been fed alone. After acceptance the accepted path's cache entries are moved
 into place (the model's `compact`), and everything else is dropped.
+
+Lookup sources build their trees from matched continuations (`from_branches`); a draft
+model or head grows its own, one draft forward per depth (`expand_tree`).
 """
 
 from __future__ import annotations
@@ -104,6 +107,84 @@ def from_branches(branches: list[list[int]], top_k: int, max_nodes: int, max_dep
     return tree
 
 
+@dataclass
+class Candidate:
+    token: int
+    score: float  # log q of the path from the root to here (the product of the draft's q)
+    parent: int  # index of the parent candidate; -1: the root
+    depth: int
+    fed: int = -1  # where the draft read it, among the nodes it read (-1: not read)
+
+
+def expand_tree(root_logits: torch.Tensor, forward, limits: list[int], top_k: int, max_nodes: int,
+                starts: list[int], vocab: torch.Tensor | None = None) -> list[Tree]:
+    """A draft model's tree, EAGLE-2's way (arXiv 2406.16858): one draft forward per depth.
+
+    Candidates are the top_k tokens after each read node, scored by their path's draft
+    probability. Per depth the draft reads the top_k best candidates of the deepest layer
+    (every row the same number, so their slots line up), each seeing the committed text and
+    its ancestors only (a tree mask over the nodes read so far), and their top_k children
+    become the next layer. Row b's tree is then its max_nodes best candidates no deeper than
+    limits[b]: a path's score never grows along it, so a node's parent always ranks before
+    it, and the order is topological.
+
+    root_logits (B, V): the draft's logits after each row's last committed token.
+    `forward(tokens, parents, positions, mask)` reads tokens (B, k), children of the nodes read
+    before at `parents` (B, k) (-1: the root), at `positions` (B, k), seeing `mask` (B, k, F + k)
+    of the F nodes read before and themselves; returns their logits (B, k, V). starts[b]: the
+    position of row b's first drafted token. `vocab`: the ids of the logits' columns (a
+    reduced draft vocabulary; None: the column is the id).
+    """
+    batch, device = len(limits), root_logits.device
+    top_k = min(top_k, root_logits.shape[-1])
+    ids = None if vocab is None else vocab.tolist()
+    rows: list[list[Candidate]] = [[] for _ in range(batch)]
+
+    def add_children(logits: torch.Tensor, parents: list[list[int]]) -> list[list[int]]:
+        """Each parent's top_k children as candidates; per row, the indices of the new ones."""
+        scores, tokens = logits.float().log_softmax(-1).topk(top_k, -1)
+        layer = []
+        for b, (row, row_parents) in enumerate(zip(rows, parents)):
+            first = len(row)
+            for parent, p_scores, p_tokens in zip(row_parents, scores[b].tolist(), tokens[b].tolist()):
+                base, depth = (0.0, 1) if parent < 0 else (row[parent].score, row[parent].depth + 1)
+                for score, token in zip(p_scores, p_tokens):
+                    row.append(Candidate(token if ids is None else ids[token], base + score, parent, depth))
+            layer.append(list(range(first, len(row))))
+        return layer
+
+    layer = add_children(root_logits[:, None], [[-1]] * batch)
+    read = 0
+    for depth in range(1, max(limits)):  # read the best of this depth; their children are the next
+        chosen = [sorted(nodes, key=lambda i: -row[i].score)[:top_k] for row, nodes in zip(rows, layer)]
+        mask = torch.zeros(batch, top_k, read + top_k, dtype=torch.bool)
+        parents = []
+        for b, (row, nodes) in enumerate(zip(rows, chosen)):
+            for j, i in enumerate(nodes):
+                ancestor = row[i].parent
+                parents.append(-1 if ancestor < 0 else row[ancestor].fed)
+                while ancestor >= 0:
+                    mask[b, j, row[ancestor].fed] = True
+                    ancestor = row[ancestor].parent
+                mask[b, j, read + j] = True
+                row[i].fed = read + j
+        tokens = torch.tensor([[row[i].token for i in nodes] for row, nodes in zip(rows, chosen)], device=device)
+        positions = (torch.tensor(starts, device=device)[:, None] + depth - 1).expand(batch, top_k)  # start + d - 1
+        logits = forward(tokens, torch.tensor(parents, device=device).view(batch, top_k), positions,
+                         mask.to(device))
+        read += top_k
+        layer = add_children(logits, chosen)
+    trees = []
+    for row, limit in zip(rows, limits):
+        ranked = sorted((i for i, c in enumerate(row) if c.depth <= limit),
+                        key=lambda i: (-row[i].score, row[i].depth, i))[:max_nodes]
+        place = {-1: -1}
+        for i in ranked:
+            place[i] = len(place) - 1
+        trees.append(Tree([row[i].token for i in ranked], [place[row[i].parent] for i in ranked]))
+    return trees
+
+
 def tree_inputs(trees: list[Tree], last_tokens: list[int], starts: list[int], device):
     """The verify forward's inputs for a batch of trees (ragged: padded to the largest).
 
@@ -135,9 +216,7 @@ def can_branch(target, proposer, top_k: int) -> bool:
         why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
                "one forward)")
     elif not getattr(proposer, "branches", False):
-        why = f"the draft {type(proposer).__name__} drafts chains only (trees come from lookup sources)"
-    elif getattr(proposer, "reads_features", False):
-        why = "a draft head reads the target's features, which tree steps do not hand over yet"
+        why = f"the draft {type(proposer).__name__} drafts chains only"
     if why is None:
         return True
     warnings.warn(f"tree_top_k={top_k}: {why}; this engine drafts chains", UserWarning, stacklevel=3)

@@ -262,8 +262,10 @@ class DecoderOnlyLM(nn.Module):
         slot). Without a state, scores the tokens as whole sequences from position 0
         (training). keep_logits=False skips the output projection (prompts need no logits);
         return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
-        `tree` (B, T, T) bool: which of this forward's tokens each token sees (a token tree's
-        ancestor mask, tree.py); every token still sees its row's earlier slots.
+        `tree` (B, T, W) bool, W >= T: which of the row's last W slots (this forward's T
+        tokens, after the W - T slots fed just before them) each token sees (a token tree's
+        ancestor mask, tree.py; a draft model expands its tree over several forwards); every
+        token still sees its row's slots before those.
         """
         if state is None:
             return self.lm_head(self.run_blocks(self.embed_tokens(tokens)))
@@ -335,10 +337,12 @@ class DecoderOnlyLM(nn.Module):
 
 
 def tree_mask(tree: torch.Tensor, starts: torch.Tensor, keys: int) -> torch.Tensor:
-    """(B, T, keys) attention mask: row b's earlier slots (< starts[b]), and among this
-    forward's slots starts[b] + j the ones `tree` (B, T, T) allows."""
-    batch, width, _ = tree.shape
-    offset = torch.arange(keys, device=tree.device)[None, :] - starts[:, None]  # (B, keys)
-    inside = (offset >= 0) & (offset < width)
-    picked = tree.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(batch, width, keys))
+    """(B, T, keys) attention mask: row b's slots before the tree's (< starts[b] - (W - T)),
+    and among the W slots from there the ones `tree` (B, T, W) allows."""
+    batch, width, span = tree.shape
+    if span < width:
+        raise ValueError(f"a tree mask (B, T, W) needs W >= T, got {tuple(tree.shape)}")
+    offset = torch.arange(keys, device=tree.device)[None, :] - (starts[:, None] - (span - width))  # (B, keys)
+    inside = (offset >= 0) & (offset < span)
+    picked = tree.gather(2, offset.clamp(0, span - 1)[:, None, :].expand(batch, width, keys))
     return (offset < 0)[:, None, :] | (picked & inside[:, None, :])

@@ -125,13 +125,15 @@ class DraftHead(nn.Module):
         self.blocks.add_rows(state, new, capacity)
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor, state: KVState | None = None,
-                num_valid: list[int] | None = None) -> torch.Tensor:
+                num_valid: list[int] | None = None, positions: torch.Tensor | None = None,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
         """h (B, T, H) from token embeddings (B, T, H) and the features of the positions
         before them (B, T, H); appended to `state` as a model's forward appends tokens
-        (without a state: whole sequences from position 0, for training)."""
+        (without a state: whole sequences from position 0, for training). `positions` and
+        `tree` as for decoder_only (a head expanding a token tree)."""
         dtype = self.fuse.weight.dtype
         x = self.fuse(torch.cat([embedded.to(dtype), features.to(dtype)], -1))
-        return self.blocks.run_blocks(x, state, num_valid)
+        return self.blocks.run_blocks(x, state, num_valid, positions, tree)
 
     # --- the target ----------------------------------------------------------------------
     def check_target(self, target) -> None:

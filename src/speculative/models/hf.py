@@ -90,11 +90,16 @@ class HFModel:
     def _masks(self, state: HFState, positions: torch.Tensor, tree: torch.Tensor | None = None):
         """Additive masks (B, 1, T, S+T) for new tokens at `positions` (B, T): each sees the
         slots its row keeps at earlier positions, and the new tokens up to itself (with a
-        token tree (B, T, T): the new tokens `tree` allows, its ancestors and itself)."""
+        token tree (B, T, W): among the last W - T slots and the new tokens those `tree`
+        allows, its ancestors and itself)."""
         batch, width = positions.shape
         cached = state.valid[:, None, :] & (state.positions[:, None, :] <= positions[:, :, None])  # (B, T, S)
         if tree is None:
             tree = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril().expand(batch, -1, -1)
+        elif tree.shape[2] > width:  # the tree began in earlier forwards (a draft model expanding one)
+            earlier = tree.shape[2] - width
+            cached = torch.cat([cached[:, :, :-earlier], tree[:, :, :earlier] & state.valid[:, None, -earlier:]], 2)
+            tree = tree[:, :, earlier:]
         visible = torch.cat([cached, tree], 2)  # (B, T, S+T)
         keys_pos = torch.cat([state.positions, positions], 1)
         blocked = torch.finfo(self.dtype).min
@@ -118,7 +123,8 @@ class HFModel:
                 tree: torch.Tensor | None = None):
         """As the protocol says: float32 logits (B, T, V); `positions` (B, T) default to each
         row's next positions; return_hidden=True also returns the final hidden states (B, T, H);
-        `tree` (B, T, T): which new tokens each new token sees (a token tree's ancestor mask)."""
+        `tree` (B, T, W): which of the last W slots each new token sees (a token tree's
+        ancestor mask; W > T when the tree began in earlier forwards)."""
         batch, width = tokens.shape
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device

@@ -15,11 +15,13 @@ engine asks of it; the engine never inspects its type. Per step:
 - `commit(sequences)`: the sequences as committed after verification, so that the draft
   model rolls back to what still holds; called only in steps where `propose` ran.
 
-Token trees (optional): a proposer whose free drafts can branch says `branches = True` and
-answers `free_trees(sequences, limits, top_k, max_nodes)`: per row a `tree.Tree` (depth at
-most limits[b], at most top_k children per node and max_nodes nodes) and whether it is
-preferred, as `free_drafts`. One without `branches` drafts chains, and an engine asked for
-trees says so when it is made.
+Token trees (optional): a proposer that can branch says `branches = True` and answers
+`free_trees(sequences, limits, top_k, max_nodes)`: per row a `tree.Tree` (depth at most
+limits[b], at most top_k children per node and max_nodes nodes; empty for a draft model
+alone) and whether it is preferred, as `free_drafts`; with a model, also
+`propose_tree(sequences, limits, top_k, max_nodes)`: the model's tree per row (empty where
+limits[b] is 0), its nodes deterministic candidates, then `commit` as after `propose`. One
+without `branches` drafts chains, and an engine asked for trees says so when it is made.
 
 Rows join with `add_rows(prompts, capacity, samplers, generators)` (the draft's sampling
 settings and random stream per row) and leave with `select_rows(rows)`. `fork()` gives a
@@ -34,7 +36,8 @@ final hidden states with `read_features(features)`: features[b] (n_b, H) are tho
 row b's tokens that just entered the target's state, in order: each prompt but its last
 token when rows join (other rows get n_b = 0), and every step, whether or not `propose`
 ran, the row's last committed token and its accepted drafts, from the verify forward
-itself (no second target forward).
+itself (no second target forward); after a tree step, the last committed token's and the
+accepted path's, from the tree's verify forward.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import torch
 
 from ..models.base import pad, prefill
 from ..sampling import Sampler, row_probabilities, sample
+from ..tree import Tree, expand_tree
 from .base import Proposal
 
 
@@ -73,6 +74,11 @@ class DraftModelProposer:
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
         return [[] for _ in sequences], [False] * len(sequences)
 
+    branches = True  # its own trees (propose_tree); it has no free ones
+
+    def free_trees(self, sequences, limits, top_k, max_nodes):
+        return [Tree([], []) for _ in sequences], [False] * len(sequences)
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         """Read what the draft has not seen, but its last `catch_up` tokens, without logits:
         the prompts of rows that joined (in a forward of their own), and text drafted while
@@ -91,14 +97,8 @@ class DraftModelProposer:
         """Draft up to limits[b] tokens for row b. With `min_confidence`, a row stops before
         the first token the draft gives less than that probability, and drafting stops once
         every row has stopped; the confidences are then reported for the adaptive policy."""
-        device = self.model.device
-        self.catch_up(sequences)  # nothing left to read when the engine called it already
-        self._committed = [len(seq) for seq in sequences]
-        pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
-        logits = self._run(pad(pending, device), [len(p) for p in pending])
+        logits = self._root_logits(sequences)  # (B, V) or (B, N)
         forwards = 1
-        rows = torch.arange(len(sequences), device=device)
-        logits = logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]  # (B, V) or (B, N)
         samplers = self.samplers
         sampling = any(not s.greedy for s in samplers)
         draws = [not s.greedy for s in samplers]
@@ -129,11 +129,36 @@ class DraftModelProposer:
         return Proposal(self._tokens, lengths, torch.stack(probs, 1) if sampling else None, per_row,
                         forwards=forwards)
 
-    def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True):
-        """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`)."""
+    def propose_tree(self, sequences: list[list[int]], limits: list[int], top_k: int, max_nodes: int) -> list[Tree]:
+        """Per row a tree of at most max_nodes nodes, limits[b] deep (empty for limit 0):
+        the draft's top_k children of its most probable nodes, one forward per depth
+        (`tree.expand_tree`). Its nodes are deterministic candidates (q one-hot), which the
+        tree rule for top-k children verifies exactly, sampled rows included."""
+        root = self._root_logits(sequences)
+        self._tokens = None  # the nodes read are no prefix of anything: commit forgets them all
+        return expand_tree(root, self._tree_forward, limits, top_k, max_nodes, self._committed, self.vocab)
+
+    def _root_logits(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Read what the draft has not seen of each row; its logits (B, V) (or (B, N) with
+        `vocab`) after the row's last committed token."""
+        device = self.model.device
+        self.catch_up(sequences)  # nothing left to read when the engine called it already
+        self._committed = [len(seq) for seq in sequences]
+        pending = [seq[n:] for seq, n in zip(sequences, self.state.lengths)]
+        logits = self._run(pad(pending, device), [len(p) for p in pending])
+        rows = torch.arange(len(sequences), device=device)
+        return logits[rows, torch.tensor([len(p) - 1 for p in pending], device=device)]
+
+    def _tree_forward(self, tokens, parents, positions, mask) -> torch.Tensor:
+        """Read a layer of tree nodes (`tree.expand_tree`); their logits (B, k, V)."""
+        return self._run(tokens, positions=positions, tree=mask)
+
+    def _run(self, tokens: torch.Tensor, num_valid: list[int] | None = None, keep_logits: bool = True, **tree):
+        """Logits (B, T, V) of the draft's vocabulary (the subset's N columns with `vocab`);
+        `tree`: a tree layer's positions and mask."""
         if self.head is None or not keep_logits:
-            return self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits)
-        _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True)
+            return self.model.forward(tokens, self.state, num_valid, keep_logits=keep_logits, **tree)
+        _, hidden = self.model.forward(tokens, self.state, num_valid, keep_logits=False, return_hidden=True, **tree)
         return self.head(hidden)
 
     def _read_apart(self, sequences: list[list[int]]) -> None:
@@ -166,7 +191,10 @@ class DraftModelProposer:
 
     def commit(self, sequences: list[list[int]]) -> None:
         # The draft has seen the old committed prefix plus all its drafts but the last; keep
-        # the part that the new committed sequence still starts with.
+        # the part that the new committed sequence still starts with (after a tree: none).
+        if self._tokens is None:
+            self.model.rollback(self.state, self._committed)
+            return
         fed = self._tokens.tolist()
         keep = []
         for n, seq, drafts in zip(self._committed, sequences, fed):

@@ -10,7 +10,8 @@ feature, so after verification the head rolls back to the committed tokens it re
 real features, whatever was accepted, and reads the kept tokens again with theirs.
 
 Sampling, per-row settings, reduced vocabularies and confidences are those of the draft
-model proposer (`DraftModelProposer.propose`); only what a forward reads differs.
+model proposer (`DraftModelProposer.propose`); only what a forward reads differs. So are
+trees (`propose_tree`, EAGLE-2): each node is read with its parent's output feature.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class HeadProposer(DraftModelProposer):
         # (the feature "before" the first token).
         self.features: list[torch.Tensor] = []
         self._own: torch.Tensor | None = None  # (B, H): the head's last output while drafting
+        self._tree_own: torch.Tensor | None = None  # (B, F, H): its outputs at the tree nodes read
 
     def add_rows(self, prompts, capacity, samplers, generators) -> None:
         super().add_rows(prompts, capacity, samplers, generators)
@@ -96,12 +98,24 @@ class HeadProposer(DraftModelProposer):
             self._own = hidden[:, -1]
         return self.head(hidden.to(self.out_dtype))
 
-    def propose(self, sequences, limits, min_confidence=None):
-        self._own = None
+    def _root_logits(self, sequences):
+        self._own = None  # the next _run reads committed tokens
+        return super()._root_logits(sequences)
+
+    def _tree_forward(self, tokens, parents, positions, mask):
+        """A layer of tree nodes, each read with its parent's output feature (the root's: the
+        last committed token's)."""
+        own = self._own[:, None] if self._tree_own is None else torch.cat([self._own[:, None], self._tree_own], 1)
+        features = own.gather(1, (parents + 1)[:, :, None].expand(-1, -1, own.shape[-1]))  # (B, k, H)
+        hidden = self.model(self.embed(tokens), features, self.state, positions=positions, tree=mask)
+        self._tree_own = hidden if self._tree_own is None else torch.cat([self._tree_own, hidden], 1)
+        return self.head(hidden.to(self.out_dtype))
+
+    def propose_tree(self, sequences, limits, top_k, max_nodes):
         try:
-            return super().propose(sequences, limits, min_confidence)
+            return super().propose_tree(sequences, limits, top_k, max_nodes)
         finally:
-            self._own = None
+            self._tree_own = None
 
     def commit(self, sequences: list[list[int]]) -> None:
         # Tokens drafted after the first were read with the head's own features: forget them.

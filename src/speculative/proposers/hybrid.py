@@ -41,7 +41,7 @@ class HybridProposer:
         drafts, matched = self.ngram.lookup(sequences, limits)
         return drafts, [n >= self.min_match for n in matched]
 
-    branches = True  # lookup trees in front of the draft model's chains
+    branches = True  # lookup trees in front of the draft model's trees
 
     def free_trees(self, sequences: list[list[int]], limits: list[int], top_k: int, max_nodes: int):
         """Per row: the lookup's tree, and whether its match is long enough to be preferred."""
@@ -56,6 +56,9 @@ class HybridProposer:
 
     def propose(self, sequences: list[list[int]], limits: list[int], min_confidence: float | None = None) -> Proposal:
         return self.drafter.propose(sequences, limits, min_confidence)
+
+    def propose_tree(self, sequences, limits, top_k, max_nodes):
+        return self.drafter.propose_tree(sequences, limits, top_k, max_nodes)
 
     def commit(self, sequences: list[list[int]]) -> None:
         self.drafter.commit(sequences)
