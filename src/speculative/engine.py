@@ -313,17 +313,20 @@ class Engine:
         started = self.clock()
         last = torch.tensor([[row.sequence[-1]] for row in rows], device=self.target.device)
         tokens = torch.cat([last, proposal.tokens], 1)
-        hidden = None  # (B, K+1, H): the features a draft head reads
-        if self.reads_features:
-            logits, hidden = self.target.forward(tokens, self.state, return_hidden=True)  # (B, K+1, V)
-        else:
-            logits = self.target.forward(tokens, self.state)  # (B, K+1, V)
+        logits, hidden = self._target_forward(tokens)  # (B, K+1, V), (B, K+1, H) or None
         stats.target_forward_seconds += self.clock() - started
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
         seconds = self.clock() - started
         stats.verify_seconds += seconds
         return accepted, extra, hidden, seconds
+
+    def _target_forward(self, tokens, *args, **kwargs):
+        """The verify forward: logits, and the final hidden states when a draft head reads
+        them (else None)."""
+        if self.reads_features:
+            return self.target.forward(tokens, self.state, *args, return_hidden=True, **kwargs)
+        return self.target.forward(tokens, self.state, *args, **kwargs), None
 
     def _commit(self, rows: list[Row], proposal, accepted, extra, hidden, ran: bool, stats: DecodeStats,
                 outputs: list) -> None:
@@ -366,12 +369,7 @@ class Engine:
         starts = [len(seq) - 1 for seq in sequences]
         tokens, positions, mask, counts = tree_inputs(trees, [seq[-1] for seq in sequences], starts,
                                                       self.target.device)
-        hidden = None  # (B, 1+N, H): the features a draft head reads
-        if self.reads_features:
-            logits, hidden = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask,
-                                                 return_hidden=True)
-        else:
-            logits = self.target.forward(tokens, self.state, counts, positions=positions, tree=mask)  # (B, 1+N, V)
+        logits, hidden = self._target_forward(tokens, counts, positions=positions, tree=mask)  # (B, 1+N, V)
         stats.target_forward_seconds += self.clock() - started
         # Every node is a deterministic candidate (lookup branches, a draft's top-k children).
         paths, extra = tree_verify_rows(trees, None, logits.float(), [row.sampler for row in rows],

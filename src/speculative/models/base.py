@@ -109,6 +109,7 @@ def prefill(model, prompts: list[list[int]], capacity: int, hidden: list | None 
         hidden += [torch.zeros(0, size, device=model.device) for _ in heads]
     return state
 
+
 def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool):
     """What a forward returns: float32 logits (or None), with the hidden states if asked."""
     logits = head(hidden).float() if keep_logits else None
@@ -158,4 +159,3 @@ def load_checked(model: nn.Module, tensors: dict, directory, config_path) -> Non
     if problems:
         raise ValueError(f"the weights in {directory} do not match {config_path}: {'; '.join(problems[:5])}")
     model.load_state_dict(tensors)
-

@@ -135,7 +135,8 @@ class DraftModelProposer:
         (`tree.expand_tree`). Its nodes are deterministic candidates (q one-hot), which the
         tree rule for top-k children verifies exactly, sampled rows included."""
         root = self._root_logits(sequences)
-        self._tokens = None  # the nodes read are no prefix of anything: commit forgets them all
+        # The nodes read are no prefix of anything: commit keeps no drafted token.
+        self._drafted, self._tokens = 0, torch.zeros(len(sequences), 0, dtype=torch.long)
         return expand_tree(root, self._tree_forward, limits, top_k, max_nodes, self._committed, self.vocab)
 
     def _root_logits(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -192,9 +193,6 @@ class DraftModelProposer:
     def commit(self, sequences: list[list[int]]) -> None:
         # The draft has seen the old committed prefix plus all its drafts but the last; keep
         # the part that the new committed sequence still starts with (after a tree: none).
-        if self._tokens is None:
-            self.model.rollback(self.state, self._committed)
-            return
         fed = self._tokens.tolist()
         keep = []
         for n, seq, drafts in zip(self._committed, sequences, fed):
