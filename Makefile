@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[hf,gemma,bench,test,serve,ray]'
+	$(PIP) -e '.[hf,gemma,bench,test,serve,ray,sharegpt]'
 	touch $@
 
 run: setup

@@ -7,6 +7,7 @@
     python benchmarks/run.py serve-smoke    # a reduced server run (results/serve-smoke.json only)
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
     python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
+    python benchmarks/run.py heads-gemma   # Gemma 3 270M with its draft head: chat and grounded editing
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -125,40 +126,69 @@ def section_batch():
 def section_heads():
     """The shipped verifier with its draft head (default-head), against the distilled draft at the
     same K, with and without prompt lookup in front; c, alpha per position and tau apart."""
-    from speculative import SpeculativeConfig, SpeculativeDecoder
-    from speculative.costs import measure
-    from speculative.loading import ASSETS
-    from speculative.models.base import prefill
-    from speculative.proposers import HeadProposer
-
     target, tokenizer = load_model("default"), load_tokenizer("default")
     head, draft = load_model("default-head"), load_model("default-draft")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
     drafts = {"head": head, "head+lookup": head, "draft": draft, "draft+lookup": draft}
     report = run_bench(target, drafts, ids, max_new=64, runs=3, ks=(4,), eos=None, ngram=False, peers=False,
                        lookup=("head+lookup", "draft+lookup"))
-    judged = {}  # greedy, fixed K = 4, draft model alone: alpha per position and tau
-    for name, model in (("head", head), ("draft", draft)):
+    report["heads"] = head_figures(target, {"head": head, "draft": draft}, ids, 64, "default-head")
+    report["title"] = "Shipped verifier with its draft head (default-head), code completion, greedy, 64 new tokens"
+    save("heads", report)
+
+
+def section_heads_gemma():
+    """Gemma 3 270M with its head (gemma-3-270m-head): free-form chat, the first user turns of
+    held-out ShareGPT conversations (the head's training split), and the grounded-editing
+    prompts with lookup in front; n-gram drafting beside them."""
+    from speculative.train.sharegpt import sharegpt_data
+
+    target, head = load_model("gemma-3-270m"), load_model("gemma-3-270m-head")
+    _, chat = sharegpt_data(target.tokenizer, 1, 10)  # held-out prompts (and one training token)
+    report = run_bench(target, {"head": head, "head+lookup": head}, chat, max_new=64, runs=2, ks=(4,), eos=None,
+                       peers=False, lookup=("head+lookup",))
+    report["heads"] = head_figures(target, {"head": head}, chat, 64, "gemma-3-270m-head")
+    report["title"] = ("Gemma 3 270M with its draft head (gemma-3-270m-head), free-form chat (held-out ShareGPT "
+                       f"first turns), greedy, 64 new tokens, {dtype_words(target)}")
+    save("heads-gemma-chat", report)
+    grounded = prompts("grounded_editing.jsonl", target.tokenizer)
+    report = run_bench(target, {"head+lookup": head}, grounded, max_new=128, runs=2, ks=(4, 10), eos=None,
+                       peers=False, lookup=("head+lookup",))
+    report["title"] = ("Gemma 3 270M with its draft head behind prompt lookup, grounded editing, greedy, 128 new "
+                       f"tokens, {dtype_words(target)}")
+    save("heads-gemma-grounded", report)
+
+
+def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> dict:
+    """Greedy at fixed K = 4 without lookup: alpha, alpha per position and tau of each model;
+    c (a head step against a one-token target forward, batch 1); and the head's training."""
+    from speculative import SpeculativeConfig, SpeculativeDecoder
+    from speculative.costs import measure
+    from speculative.loading import resolve
+    from speculative.models.base import prefill
+    from speculative.proposers import HeadProposer
+
+    judged = {}
+    for name, model in models.items():
         decoder = SpeculativeDecoder(target, model, SpeculativeConfig(num_draft_tokens=4, adaptive=False))
         for row in ids:
-            decoder.generate(row, 64)
+            decoder.generate(row, max_new)
         stats = decoder.stats
         judged[name] = {"alpha": round(stats.acceptance_rate, 4), "tau": round(stats.tokens_per_forward, 3),
                         "alpha_at": [round(a / d, 4) for a, d in zip(stats.accepted_at, stats.drafted_at)]}
     with torch.inference_mode():  # c: one drafting step against a one-token target forward, batch 1
-        proposer = HeadProposer(head, target)
-        proposer.add_rows(ids[:1], 512, [None], [None])
-        state = prefill(target, ids[:1], 512)
+        proposer = HeadProposer(models["head"], target)
+        capacity = len(ids[0]) + 16
+        proposer.add_rows(ids[:1], capacity, [None], [None])
+        state = prefill(target, ids[:1], capacity)
         ratios = []
         for _ in range(5):
             costs = measure(target, state, ids[:1], proposer, 4)
             ratios.append(costs.draft / costs.v1)
-    trained = json.loads((ASSETS / "head" / "report.json").read_text())
-    report["heads"] = {"judged": judged, "c": round(sorted(ratios)[len(ratios) // 2], 3),
-                       "training": trained["training"], "head_parameters": trained["head_parameters"],
-                       "unroll": trained["unroll"], "vocab": trained["vocab"], "data": trained["data"]}
-    report["title"] = "Shipped verifier with its draft head (default-head), code completion, greedy, 64 new tokens"
-    save("heads", report)
+    trained = json.loads((resolve(head_preset) / "report.json").read_text())
+    return {"judged": judged, "c": round(sorted(ratios)[len(ratios) // 2], 3), "training": trained["training"],
+            "head_parameters": trained["head_parameters"], "unroll": trained["unroll"], "vocab": trained["vocab"],
+            "data": trained["data"]}
 
 
 # The last landed commit before the step engine: its decoder is the batch-1 baseline.
@@ -263,7 +293,7 @@ def section_serve(smoke: bool = False):
 
 
 SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section_gemma, "mixed": section_mixed,
-            "batch": section_batch, "heads": section_heads, "qwen": lambda: qwen.section(save),
+            "batch": section_batch, "heads": section_heads, "heads-gemma": section_heads_gemma, "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
@@ -275,7 +305,7 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True),
             "trees-gemma": lambda: trees.gemma_section(save, prompts),
             "trees-models": lambda: trees.models_section(save, prompts)}
-TABLES = ("default", "default-bfloat16", "heads", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
+TABLES = ("default", "default-bfloat16", "heads", "heads-gemma-chat", "heads-gemma-grounded", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
           "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-models")
 
 
@@ -284,11 +314,12 @@ def heads_words(heads: dict) -> str:
     judged, training = heads["judged"], heads["training"]
     rows = "; ".join(f"{name}: alpha {j['alpha']:.3f}, tau {j['tau']:.2f}, alpha per position "
                      f"{', '.join(f'{a:.2f}' for a in j['alpha_at'])}" for name, j in judged.items())
+    vocab = f", a reduced vocabulary of {heads['vocab']:,} tokens" if heads.get("vocab") else ""
     return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f} of a "
             f"one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
             f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min on "
             f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "
-            f"unroll {heads['unroll']}).\n")
+            f"unroll {heads['unroll']}{vocab}).\n")
 
 
 def render() -> str:

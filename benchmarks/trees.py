@@ -14,11 +14,13 @@ third, `trees-gemma`, on Gemma 3 270M:
   drafted at that depth.
 - `trees-gemma`: Gemma 3 270M on the grounded-editing prompts (the `gemma` section's
   workload, 128 new tokens): n-gram chains of K = 10 (fixed and adaptive, the `gemma`
-  section's best), a chain of the trees' verify width, and n-gram trees of GEMMA_NODES nodes.
+  section's best), a chain of the trees' verify width, and n-gram trees of GEMMA_NODES nodes
+  (fixed, and with the node budget planned by the adaptive policy).
 - `trees-models`: model trees (EAGLE-2 expansion) on the shipped verifier, held-out code
   completion (the `heads` section's workload): the distilled draft and the draft head, alone
   and behind lookup trees, each as a chain of K = 4, a chain of the trees' verify width
-  (K = MODEL_NODES) and a tree of MODEL_NODES nodes (depth MODEL_DEPTH, top-MODEL_TOP_K).
+  (K = MODEL_NODES), a tree of MODEL_NODES nodes (depth MODEL_DEPTH, top-MODEL_TOP_K), and
+  trees whose node budget (up to MODEL_NODES) the adaptive policy plans each step.
 """
 
 import statistics
@@ -118,12 +120,13 @@ def models_section(save, prompts) -> dict:
         model = load_model(f"default-{name}")
         for lookup in (False, True):
             label = name + ("+lookup" if lookup else "")
-            shapes = {f"{label} K=4": dict(num_draft_tokens=4),
-                      f"{label} chain K={MODEL_NODES}": dict(num_draft_tokens=MODEL_NODES),
-                      f"{label} tree top-{MODEL_TOP_K} {MODEL_NODES} nodes": dict(
-                          num_draft_tokens=MODEL_DEPTH, tree_top_k=MODEL_TOP_K, tree_max_tokens=MODEL_NODES)}
+            tree = dict(num_draft_tokens=MODEL_DEPTH, tree_top_k=MODEL_TOP_K, tree_max_tokens=MODEL_NODES)
+            shapes = {f"{label} K=4": dict(num_draft_tokens=4, adaptive=False),
+                      f"{label} chain K={MODEL_NODES}": dict(num_draft_tokens=MODEL_NODES, adaptive=False),
+                      f"{label} tree top-{MODEL_TOP_K} {MODEL_NODES} nodes": dict(tree, adaptive=False),
+                      f"{label} tree top-{MODEL_TOP_K} adaptive (<={MODEL_NODES} nodes)": dict(tree, adaptive=True)}
             for method, shape in shapes.items():
-                config = SpeculativeConfig(adaptive=False, prompt_lookup=lookup, **shape)
+                config = SpeculativeConfig(prompt_lookup=lookup, **shape)
                 methods.append(speculative_method(method, target, model, config))
     report = run_methods(methods, ids, MODEL_NEW, 2)
     report["title"] = (f"Model trees (EAGLE-2 expansion) on the shipped verifier, held-out code completion (greedy, "

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tree_budget import TreeBudget
+
 BINS = 10
 # Observed steps after which an estimated cost (from other batch sizes) counts as measured.
 ESTIMATED_STEPS = 4
@@ -199,13 +201,22 @@ class AdaptivePolicy:
     # Where costs come from for a batch size not planned yet: a `costs.CostBook` shared by
     # every policy on the same models; None: measured by each policy itself.
     book: object = None
+    # Node budgets of tree steps (tree_budget.py; None: the engine drafts chains).
+    tree: TreeBudget | None = None
+
+    @classmethod
+    def for_config(cls, config, book) -> "AdaptivePolicy":
+        """The policy of a configuration: K from num_draft_tokens, tree budgets up to tree_max_tokens."""
+        tree = TreeBudget(config.tree_max_tokens, config.num_draft_tokens) if config.trees else None
+        return cls(max_k=config.num_draft_tokens, book=book, tree=tree)
 
     def prepare(self, batch: int, measure) -> None:
         """Have costs for a batch of this many rows before planning it: from the book (which
         measures only when it knows no batch size at all, and once more when warm) or,
         without a book, `measure()`."""
+        widest = max(self.max_k, self.tree.max_nodes if self.tree else 0) + 1
         if self.book is not None:
-            self.costs[batch] = self.book.get(batch, self.max_k + 1, measure)
+            self.costs[batch] = self.book.get(batch, widest, measure)
         elif batch not in self.costs:
             self.costs[batch] = measure()
 
@@ -214,6 +225,15 @@ class AdaptivePolicy:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         self.model = self.model or Acceptance(self.max_k)
         self.lookup = self.lookup or Acceptance(self.max_k)
+
+    def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int], caps: list[int]) -> int:
+        """The node budget of a tree step (`TreeBudget.plan`)."""
+        return self.tree.plan(self.costs[batch], sources, lookup_sizes, caps)
+
+    def observe_tree(self, batch: int, sources: list[str | None], paths: list[list[int]], budget: int, width: int,
+                     verify_seconds: float, draft_forwards: int, draft_seconds: float) -> None:
+        self.tree.observe(sources, paths, budget, draft_forwards, draft_seconds)
+        self.observe_costs(batch, width, verify_seconds, 0, 0.0)
 
     def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],
              has_model: bool) -> Plan:
@@ -317,11 +337,18 @@ class AdaptivePolicy:
 
 @dataclass
 class FixedPolicy:
-    """Draft K tokens every step (each row at most what it can still use): the plan when
-    adaptive drafting is off, and whenever a seeded sampled request runs (adaptive K follows
-    timings, which would make its tokens vary from run to run)."""
+    """Draft K tokens (trees: `nodes`) every step (each row at most what it can still use):
+    the plan when adaptive drafting is off, and whenever a seeded sampled request runs
+    (adaptive K follows timings, which would make its tokens vary from run to run)."""
 
     k: int
+    nodes: int = 0
+
+    def plan_tree(self, batch: int, sources, lookup_sizes, caps) -> int:
+        return self.nodes
+
+    def observe_tree(self, *step) -> None:
+        pass
 
     def prepare(self, batch: int, measure) -> None:
         pass  # plans without costs

@@ -126,9 +126,10 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
     first (SpeculativeConfig.prompt_lookup); `draft_vocab` is the reduced vocabulary of
     every draft model (None: all tokens). `tree` = (top_k, nodes) adds trees of that many nodes
-    (depth max(ks)) for n-gram lookup and every draft, and their chains of the same verify
-    width (K = nodes). (A suffix cache needs one engine across prompts:
-    benchmarks/trees.py.) After a warm-up of every method, each of the
+    (depth max(ks)) for n-gram lookup and every draft, their chains of the same verify width
+    (K = nodes), and (with `adaptive`) trees whose node budget the adaptive policy plans. (A
+    suffix cache needs one engine across prompts: benchmarks/trees.py.) After a warm-up of
+    every method, each of the
     `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
     so that a machine whose speed drifts slows all methods alike. A method's speedup is
     the median over rounds of its speed (all prompts) over the baseline's in the same
@@ -160,12 +161,15 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     if tree is not None:
         top_k, nodes = tree
         shape = dict(tree_top_k=top_k, tree_max_tokens=nodes)
-        speculative(f"ngram chain K={nodes}", NGramProposer(num_draft_tokens=nodes), "ngram", nodes, False)
-        speculative(f"ngram tree top-{top_k} {nodes} nodes", NGramProposer(num_draft_tokens=max(ks)), "ngram",
-                    max(ks), False, **shape)
-        for name, draft in drafts.items():
-            speculative(f"{name} chain K={nodes}", draft, name, nodes, False)
-            speculative(f"{name} tree top-{top_k} {nodes} nodes", draft, name, max(ks), False, **shape)
+        sources = {"ngram": lambda: NGramProposer(num_draft_tokens=max(ks)),
+                   **{name: lambda draft=draft: draft for name, draft in drafts.items()}}
+        for name, draft in sources.items():
+            chain = NGramProposer(num_draft_tokens=nodes) if name == "ngram" else draft()
+            speculative(f"{name} chain K={nodes}", chain, name, nodes, False)
+            speculative(f"{name} tree top-{top_k} {nodes} nodes", draft(), name, max(ks), False, **shape)
+            if adaptive:
+                speculative(f"{name} tree top-{top_k} adaptive (<={nodes} nodes)", draft(), name, max(ks), True,
+                            **shape)
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))

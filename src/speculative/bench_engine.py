@@ -133,7 +133,7 @@ def methods(target, draft, config: SpeculativeConfig, batch_size: int) -> dict:
     across runs as the decoder's calls do."""
     decoder = SpeculativeDecoder(target, draft, config)
     model = as_proposer(draft, config, target=target).model
-    policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, model)) if config.adaptive else None
+    policy = AdaptivePolicy.for_config(config, cost_book(target, model)) if config.adaptive else None
     return {"engine": lambda requests: serve_engine(Engine(target, draft, config, batch_size, policy=policy), requests),
             "plain": lambda requests: serve_engine(Engine(target, None, config, batch_size), requests),
             "static": lambda requests: serve_static(decoder, requests, batch_size)}

@@ -32,7 +32,8 @@ def add_trees(p) -> None:
                    "chains (default: %(default)s). Every draft branches: lookup by its matches, a model or head by "
                    "its top-k children (EAGLE-2)")
     p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="token trees: most drafted nodes per "
-                   "row and step (default: %(default)s)")
+                   "row and step (default: %(default)s); with adaptive drafting, each step's budget up to it is "
+                   "planned from the measured cost of verify width")
 
 
 def draft_model_name(name: str) -> str:
@@ -395,7 +396,7 @@ def add_bench(sub) -> None:
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
     p.add_argument("--tree-top-k", type=integer(2), default=None, help="also token trees with this many children "
                    "per node: n-gram trees and every draft's trees of --tree-max-tokens nodes, against chains "
-                   "of the same verify width")
+                   "of the same verify width, and adaptive trees (their budget planned) unless --no-adaptive")
     p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="nodes per tree with --tree-top-k "
                    "(default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")

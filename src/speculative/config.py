@@ -40,7 +40,8 @@ class SpeculativeConfig:
     # Seed of the sampling generators (row b uses seed + b); None draws a fresh seed from the OS.
     seed: int | None = None
     # Plan every step for the whole batch from measured acceptance and costs: how far rows
-    # draft, whether the draft model runs; nothing is drafted when that cannot pay.
+    # draft, whether the draft model runs (trees: the node budget); nothing is drafted when
+    # that cannot pay.
     # Sampling with a seed keeps K fixed, so that output is reproducible.
     adaptive: bool = True
     # With a draft model: take the tokens that followed the last n-gram (n >= 2) earlier in
@@ -55,7 +56,8 @@ class SpeculativeConfig:
     # `num_draft_tokens`, verified in one target forward (tree.py); targets that cannot
     # branch (recurrent ones) and proposers that cannot keep chains.
     tree_top_k: int = 1
-    # Token trees: the most drafted nodes per row and step (the tree's verify width less one).
+    # Token trees: the most drafted nodes per row and step (the tree's verify width less one);
+    # with `adaptive`, each step's budget up to it is planned (tree_budget.py).
     tree_max_tokens: int = 16
 
     def __post_init__(self) -> None:

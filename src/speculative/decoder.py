@@ -52,8 +52,7 @@ class SpeculativeDecoder:
         check_compatible(main_model, self.proposer)
         self.stats = DecodeStats()
         # Learned across generations: acceptance and costs carry over from call to call.
-        self.policy = AdaptivePolicy(max_k=self.config.num_draft_tokens,
-                                     book=cost_book(main_model, self.proposer.model))
+        self.policy = AdaptivePolicy.for_config(self.config, cost_book(main_model, self.proposer.model))
 
     def acceptance_rate(self) -> float:
         """Accepted / drafted over everything generated since the last reset_stats()."""

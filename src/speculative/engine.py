@@ -23,9 +23,11 @@ Glossary (one name per concept, here and in rows.py, proposers/ and adaptive.py)
 - tree: a draft that branches (tree.py, `tree_top_k` > 1): lookup sources draft trees, a
   draft model or head expands one (EAGLE-2); one target forward verifies every row's tree,
   and the accepted path's cache entries are compacted into place.
+- node budget: the most nodes a tree step drafts per row, the plan of a tree step
+  (`tree_budget.py`: fixed at `tree_max_tokens`, or chosen by the adaptive policy).
 
 A step runs six phases: 1 admit, 2 plan, 3 draft, 4 verify, 5 commit, 6 retire (a tree
-step: 2-5 in `_tree_step`, with a fixed plan).
+step: 2-5 in `_tree_step`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from .sampling import GREEDY, Sampler
 from .stats import DecodeStats, RequestStats
 from .text import same_vocabulary
 from .tree import Tree, can_branch, tree_inputs
+from .tree_budget import LOOKUP, MODEL
 from .verify import tree_verify_rows, verify_rows
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
@@ -109,11 +112,14 @@ class Engine:
         check_compatible(target, self.proposer)
         # A feature draft (a draft head) is handed the target's hidden states (proposers/base.py).
         self.reads_features = getattr(self.proposer, "reads_features", False)
-        self.fixed = FixedPolicy(config.num_draft_tokens)
+        self.fixed = FixedPolicy(config.num_draft_tokens, config.tree_max_tokens)
         if policy is None and config.adaptive and draft is not None:
-            policy = AdaptivePolicy(max_k=config.num_draft_tokens, book=cost_book(target, self.proposer.model))
+            policy = AdaptivePolicy.for_config(config, cost_book(target, self.proposer.model))
         self.policy = policy or self.fixed
         self.trees = config.trees and draft is not None and can_branch(target, self.proposer, config.tree_top_k)
+        if self.trees and getattr(self.policy, "tree", False) is None:
+            raise ValueError("this adaptive policy plans no tree budgets: make it with "
+                             "AdaptivePolicy.for_config(config, book) for a configuration with tree_top_k > 1")
         # Slots a step may feed beyond a row's sequence: the widest draft (a draft model
         # expanding a tree reads top_k nodes per depth but the last).
         self.width = (max(config.num_draft_tokens, config.tree_max_tokens,
@@ -347,22 +353,30 @@ class Engine:
 
     def _tree_step(self, rows: list[Row], stats: DecodeStats, outputs: list) -> None:
         """Plan, draft, verify and commit with trees: rows with a lookup tree take it (when
-        preferred to the draft model's), the draft model expands a tree for the others; one
-        forward over every row's last token and nodes, each node seeing its ancestors only;
-        then each row keeps its accepted path."""
+        preferred to the draft model's), the draft model expands a tree for the others, all
+        cut to the step's node budget (the policy's); one forward over every row's last token
+        and nodes, each node seeing its ancestors only; then each row keeps its accepted path."""
         config, sequences = self.config, [row.sequence for row in rows]
         caps = [max(0, min(config.num_draft_tokens, row.left - 1)) for row in rows]  # depths a row can use
         started = self.clock()
         trees, preferred = self.proposer.free_trees(sequences, caps, config.tree_top_k, config.tree_max_tokens)
         model = self.proposer.model is not None
         take = [len(t) > 0 and (p or not model) for t, p in zip(trees, preferred)]
-        trees = [t if taken else Tree([], []) for t, taken in zip(trees, take)]
-        limits = [0 if taken or not model else cap for taken, cap in zip(take, caps)]
+        sources = [LOOKUP if taken else MODEL if model and cap else None for taken, cap in zip(take, caps)]
+        policy = self.fixed if any(row.pins_k for row in rows) else self.policy
+        with LEARNING:
+            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer,
+                                                      config.tree_max_tokens, self.clock))
+            budget = policy.plan_tree(len(rows), sources, list(map(len, trees)), caps)
+        trees = [t.prefix(budget) if taken else Tree([], []) for t, taken in zip(trees, take)]
+        limits = [min(cap, budget) if source == MODEL else 0 for source, cap in zip(sources, caps)]
+        draft_seconds = 0.0
         if max(limits) > 0:
             self.proposer.catch_up(sequences)
             caught_up = self.clock()
-            drafted = self.proposer.propose_tree(sequences, limits, config.tree_top_k, config.tree_max_tokens)
-            stats.draft_forward_seconds += self.clock() - caught_up
+            drafted = self.proposer.propose_tree(sequences, limits, config.tree_top_k, budget)
+            draft_seconds = self.clock() - caught_up
+            stats.draft_forward_seconds += draft_seconds
             trees = [d if limit else t for t, d, limit in zip(trees, drafted, limits)]
         stats.draft_seconds += self.clock() - started
         started = self.clock()
@@ -370,7 +384,8 @@ class Engine:
         tokens, positions, mask, counts = tree_inputs(trees, [seq[-1] for seq in sequences], starts,
                                                       self.target.device)
         logits, hidden = self._target_forward(tokens, counts, positions=positions, tree=mask)  # (B, 1+N, V)
-        stats.target_forward_seconds += self.clock() - started
+        verify_seconds = self.clock() - started
+        stats.target_forward_seconds += verify_seconds
         # Every node is a deterministic candidate (lookup branches, a draft's top-k children).
         paths, extra = tree_verify_rows(trees, None, logits.float(), [row.sampler for row in rows],
                                         [row.target_generator for row in rows])
@@ -385,6 +400,9 @@ class Engine:
                 self._forget(row)
         stats.target_forwards += 1
         stats.record_step([max(t.depths(), default=0) for t in trees], [len(p) for p in paths], list(map(len, trees)))
+        with LEARNING:
+            policy.observe_tree(len(rows), sources, paths, budget, tokens.shape[1], verify_seconds, max(limits),
+                                draft_seconds)
         self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
         if hidden is not None:  # the last committed token and the accepted path are in the target's state
             self.proposer.read_features([hidden[b, index] for b, index in enumerate(kept)])

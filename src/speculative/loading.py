@@ -5,8 +5,9 @@
   loads through transformers (pickled .bin weights are refused);
 - a .gguf file loads through transformers, dequantized (needs `gguf`);
 - presets: `default` (the shipped verifier), `default-draft` and `default-s4d` (its
-  drafts), `default-head` (its draft head, `models/head.py`), `gemma-3-270m`, `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that
-  PyPI packages carry, made into local safetensors once: `presets.py`).
+  drafts), `default-head` (its draft head, `models/head.py`), `gemma-3-270m`,
+  `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that PyPI packages carry, made
+  into local safetensors once: `presets.py`), and `gemma-3-270m-head` (Gemma's draft head).
 
 Every model loads in an execution dtype (`precision.py`: `auto` picks what the device runs
 fast), and float32 models on CPUs get oneDNN linear layers (`kernels.py`).
@@ -32,7 +33,12 @@ from .text import TextTokenizer
 log = logging.getLogger("speculative")
 
 ASSETS = Path(__file__).parent / "assets" / "default"
-BUILTIN_PRESETS = {"default": "verifier", "default-draft": "draft", "default-s4d": "draft_s4d", "default-head": "head"}
+# The draft head shipped for a target preset: target -> (head preset, its directory, the
+# data `train-head --ship` makes it from).
+HEADS = {"default": ("default-head", ASSETS / "head", "stdlib"),
+         presets.GEMMA: ("gemma-3-270m-head", ASSETS.parent / "gemma-3-270m" / "head", "sharegpt")}
+BUILTIN_PRESETS = {"default": ASSETS / "verifier", "default-draft": ASSETS / "draft",
+                   "default-s4d": ASSETS / "draft_s4d", **{name: path for name, path, _ in HEADS.values()}}
 PRESETS = [*BUILTIN_PRESETS, presets.GEMMA, *presets.CHUNKED]
 # The draft each preset pairs with when none is named.
 PARTNERS = {"default": "default-draft+ngram", "default-draft": "default-draft", "default-s4d": "default-s4d",
@@ -43,9 +49,11 @@ def resolve(name_or_path) -> Path:
     """The local path behind a preset or a path; clear errors for anything else."""
     text = str(name_or_path)
     if text in BUILTIN_PRESETS:
-        path = ASSETS / BUILTIN_PRESETS[text]
+        path = BUILTIN_PRESETS[text]
         if not (path / "config.json").is_file():
-            command = "train-head --ship" if text == "default-head" else "train"
+            heads = {name: (target, data) for target, (name, _, data) in HEADS.items()}
+            command = (f"train-head --target {heads[text][0]} --data {heads[text][1]} --ship" if text in heads
+                       else "train")
             raise FileNotFoundError(f"preset {text!r} is missing from this installation ({path}); "
                                     f"run `speculative {command}` to make it")
         return path

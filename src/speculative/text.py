@@ -46,9 +46,10 @@ class TextTokenizer:
             raise ValueError(f"tokenizer {self.name} has no chat template; drop --chat to use the text as it is")
         return self.chat_messages([{"role": "user", "content": text}])
 
-    def chat_messages(self, messages: list[dict]) -> list[int]:
+    def chat_messages(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """Chat turns ({"role", "content"}) through the chat template (`chat_template` when
-        set, else the tokenizer's own), ending where the assistant's answer begins."""
+        set, else the tokenizer's own), ending where the assistant's answer begins
+        (generation_prompt=False: where the last turn ends, as training text)."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
@@ -60,12 +61,12 @@ class TextTokenizer:
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.is_hf:
             ids = self.backend.apply_chat_template(messages, chat_template=self.chat_template,
-                                                   add_generation_prompt=True, tokenize=True)
+                                                   add_generation_prompt=generation_prompt, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
 
         template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
-        return self.encode(template.render(messages=messages, add_generation_prompt=True))
+        return self.encode(template.render(messages=messages, add_generation_prompt=generation_prompt))
 
 
 def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:

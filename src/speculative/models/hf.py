@@ -114,6 +114,18 @@ class HFModel:
             masks["sliding_attention"] = additive(visible & near)
         return masks, keys_pos
 
+    def eval(self) -> "HFModel":
+        """As torch modules do: the wrapped model in inference mode (`train-head` trains beside it)."""
+        self.model.eval()
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> "HFModel":
+        self.model.requires_grad_(requires_grad)
+        return self
+
+    def modules(self):
+        return self.model.modules()
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embeddings (B, T, H) of tokens, scaled as the model scales them (Gemma)."""
         return self.model.get_input_embeddings()(tokens)

@@ -3,15 +3,15 @@
 The target runs on the fly, without gradients (in bfloat16 autocast where the CPU runs it
 fast), over windows of the data: it gives the features the head reads and the next-token
 distributions p it learns. The loss is the cross-entropy from p, restricted to the head's
-vocabulary, to the head's q, unrolled over `unroll` steps in which the head reads its own
-output features in place of the target's (the training-time test of EAGLE-3 / HASS, in
-its simple form: step j reads token x_{t+j} with the head's step-(j-1) output at t):
+vocabulary and renormalized there, to the head's q, unrolled over `unroll` steps in which
+the head reads its own output features in place of the target's (the training-time test
+of EAGLE-3 / HASS, in its simple form: step j reads token x_{t+j} with the head's step-(j-1) output at t):
 
     step 0: (x_t, f_{t-1}) -> h0_t ~ f_t, q0_t vs p_t
     step j: (x_{t+j}, h(j-1)_t) -> hj_t ~ f_{t+j}, qj_t vs p_{t+j}
 
-Data sources: `stdlib` (the interpreter's standard library, its held-out files apart, as
-`speculative train`), or a JSONL file of {"text": ...} records (the last 5% held out).
+Data sources (`head_command.py`): `stdlib` (the standard library, held-out files apart),
+`sharegpt` (`sharegpt.py`), or a JSONL file of texts or conversations.
 """
 
 from __future__ import annotations
@@ -69,21 +69,21 @@ def frequent_ids(data: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor | 
     return counts.topk(n).indices
 
 
-def target_view(target, window: torch.Tensor):
-    """The target's features (B, T, H) and next-token probabilities (B, T, V) over a window."""
+def target_view(target, out_head, window: torch.Tensor):
+    """The target's features (B, T, H) and next-token probabilities over the head's
+    vocabulary (B, T, V'), renormalized there: the target's logits are computed for the
+    head's tokens only (Gemma's 262k-token output layer would cost more than the rest)."""
     state = target.new_state(window.shape[0], window.shape[1])
     with torch.autocast(window.device.type, enabled=False):  # its cache keeps the target's dtype
-        logits, hidden = target.forward(window, state, return_hidden=True)
-    return hidden.float(), logits.float().softmax(-1)
+        _, hidden = target.forward(window, state, keep_logits=False, return_hidden=True)
+        return hidden.float(), out_head(hidden).float().softmax(-1)
 
 
 def head_loss(head: DraftHead, target, out_head, window: torch.Tensor, unroll: int) -> torch.Tensor:
     """The unrolled loss of the module docstring on tokens (B, T)."""
     with torch.no_grad():
-        features, p = target_view(target, window)
+        features, p = target_view(target, out_head, window)
         embedded = target.embed(window).float()
-        if head.vocab_ids is not None:
-            p = p[..., head.vocab_ids]
     previous = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)  # f_{t-1}
     total, weights = 0.0, 0.0
     width = window.shape[1]

