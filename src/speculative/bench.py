@@ -129,11 +129,11 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     (depth max(ks)) for n-gram lookup and every draft, their chains of the same verify width
     (K = nodes), and (with `adaptive`) trees whose node budget the adaptive policy plans. (A
     suffix cache needs one engine across prompts: benchmarks/trees.py.) After a warm-up of
-    every method, each of the
-    `runs` rounds goes prompt by prompt and runs the baseline and then every method on it,
-    so that a machine whose speed drifts slows all methods alike. A method's speedup is
-    the median over rounds of its speed (all prompts) over the baseline's in the same
-    round; per prompt, the median over rounds of the same ratio for that prompt alone.
+    every method, each of the `runs` rounds goes prompt by prompt and runs the baseline and
+    then every method on it, so that a machine whose speed drifts slows all methods alike. A
+    method's speedup is the median over rounds of its speed (all prompts) over the
+    baseline's in the same round; per prompt, the median over rounds of the same ratio for
+    that prompt alone.
     """
     check_settings(prompts, max_new, runs, ks)
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,

@@ -59,6 +59,9 @@ class KeptByBudget:
 
 @dataclass
 class TreeBudget:
+    """Plans the node budget of each tree step (the module docstring says how)."""
+
+    # The largest budget (tree_max_tokens).
     max_nodes: int
     # Depth cap of trees (the configured K).
     max_depth: int
