@@ -280,12 +280,19 @@ class Engine:
         started = self.clock()
         lookups, preferred = self.proposer.free_drafts(sequences, caps)
         stats.draft_seconds += self.clock() - started
-        policy = self.fixed if any(row.pins_k for row in rows) else self.policy
+        policy = self._policy(rows, sequences, k)
         with LEARNING:
-            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer, k,
-                                                      self.clock))
             plan = policy.plan(len(rows), [len(d) for d in lookups], preferred, caps, self.proposer.model is not None)
         return policy, caps, lookups, preferred, plan
+
+    def _policy(self, rows: list[Row], sequences: list[list[int]], widest: int):
+        """The policy of this step (fixed while a seeded sampled row runs), with costs for
+        this batch size (probed up to `widest` drafted tokens when none are known)."""
+        policy = self.fixed if any(row.pins_k for row in rows) else self.policy
+        with LEARNING:
+            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer, widest,
+                                                      self.clock))
+        return policy
 
     def _draft(self, sequences, caps, lookups, preferred, plan, stats: DecodeStats):
         """Rows take their free draft as the plan says (a preferred match, unless the model is
@@ -363,10 +370,8 @@ class Engine:
         model = self.proposer.model is not None
         take = [len(t) > 0 and (p or not model) for t, p in zip(trees, preferred)]
         sources = [LOOKUP if taken else MODEL if model and cap else None for taken, cap in zip(take, caps)]
-        policy = self.fixed if any(row.pins_k for row in rows) else self.policy
+        policy = self._policy(rows, sequences, config.tree_max_tokens)
         with LEARNING:
-            policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer,
-                                                      config.tree_max_tokens, self.clock))
             budget = policy.plan_tree(len(rows), sources, list(map(len, trees)), caps)
         trees = [t.prefix(budget) if taken else Tree([], []) for t, taken in zip(trees, take)]
         limits = [min(cap, budget) if source == MODEL else 0 for source, cap in zip(sources, caps)]

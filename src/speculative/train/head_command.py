@@ -22,8 +22,8 @@ import torch
 
 from ..cli_checks import integer, number
 from ..loading import HEADS
+from .sharegpt import HELD_OUT_EVERY, sharegpt_data
 
-HELD_OUT_EVERY = 20
 PROMPT_TOKENS = 64
 # Training tokens read from stdlib or ShareGPT at most: more than a CPU run of an hour consumes.
 MAX_TOKENS = 3_000_000
@@ -117,8 +117,6 @@ def read_data(source: str, tokenizer, eval_prompts: int) -> tuple[torch.Tensor, 
         prompts = [tokenizer.encode(text) for text in function_prompts(held, eval_prompts)]
         return torch.tensor(ids, dtype=torch.int32), prompts
     if source == "sharegpt":
-        from .sharegpt import sharegpt_data
-
         return sharegpt_data(tokenizer, MAX_TOKENS, eval_prompts)
     path = Path(source)
     if not path.is_file():
