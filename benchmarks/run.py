@@ -8,6 +8,7 @@
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
     python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
     python benchmarks/run.py heads-gemma   # Gemma 3 270M with its draft head: chat and grounded editing
+    python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: block attention vs plain SDPA
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -107,6 +108,38 @@ def section_gemma(dtype="auto"):
                        f"{dtype_words(target)}")
     report["prompt_tokens"] = [len(p) for p in ids]
     save("gemma" if dtype == "auto" else f"gemma-{dtype}", report)
+
+
+def section_prefill_gemma(runs=3):
+    """Gemma 3 270M reading the grounded-editing prompts (636-1,538 tokens) with block attention
+    (speculative.models.hf) against transformers' plain SDPA: the same model, its attention
+    switched between timings, rounds interleaved, medians; the first token's logits compared."""
+    from speculative.models.base import prefill
+    from speculative.models.hf import BLOCK_ATTENTION
+
+    target = load_model("gemma-3-270m")
+    ids = prompts("grounded_editing.jsonl", target.tokenizer)
+    seconds, logits = {"sdpa": [], BLOCK_ATTENTION: []}, {}
+    for _ in range(runs + 1):  # the first round warms up
+        for implementation in seconds:
+            target.model.set_attn_implementation(implementation)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                for p in ids:
+                    state = prefill(target, [p], len(p) + 1)
+                    logits.setdefault(implementation, []).append(target.forward(torch.tensor([p[-1:]]), state)[0, -1])
+            seconds[implementation].append(time.perf_counter() - started)
+    median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in seconds.items()}
+    same = all(bool(a.argmax() == b.argmax()) for a, b in zip(logits["sdpa"], logits[BLOCK_ATTENTION]))
+    difference = max(float((a - b).abs().max()) for a, b in zip(logits["sdpa"], logits[BLOCK_ATTENTION]))
+    report = {"title": "Gemma 3 270M reading the grounded-editing prompts: block attention against plain SDPA",
+              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": runs,
+              "prompt_tokens": [len(p) for p in ids], "seconds": seconds, "median_seconds": median,
+              "speedup": median["sdpa"] / median[BLOCK_ATTENTION], "same_next_token": same,
+              "largest_logit_difference": difference}
+    print(json.dumps({k: report[k] for k in ("median_seconds", "speedup", "same_next_token",
+                                             "largest_logit_difference")}, indent=1))
+    save("prefill-gemma", report)
 
 
 def section_batch():
@@ -304,6 +337,7 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
             "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True),
             "trees-gemma": lambda: trees.gemma_section(save, prompts),
+            "prefill-gemma": section_prefill_gemma,
             "trees-models": lambda: trees.models_section(save, prompts)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-gemma-chat", "heads-gemma-grounded", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
           "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-models")
@@ -364,6 +398,15 @@ def render() -> str:
                              f"{adaptive['drafted_per_step']:.2f} | "
                              f"{'yes' if fixed['identical'] and adaptive['identical'] else 'NO'} |")
             parts.append("")
+    path = RESULTS / "prefill-gemma.json"
+    if path.is_file():
+        p = json.loads(path.read_text())
+        tokens, seconds = p["prompt_tokens"], p["median_seconds"]
+        parts.append(f"### {p['title']}\n\n{len(tokens)} prompts of {min(tokens):,}-{max(tokens):,} tokens read one "
+                     f"by one, medians of {p['runs']} interleaved rounds: plain SDPA {seconds['sdpa']:.2f} s, block "
+                     f"attention {seconds['speculative_block_sdpa']:.2f} s (**{p['speedup']:.2f}x**); the next token "
+                     f"after every prompt the same: {'yes' if p['same_next_token'] else 'NO'} (largest logit "
+                     f"difference {p['largest_logit_difference']:.1e}).\n")
     path = RESULTS / "trees.json"
     if path.is_file():
         parts += render_trees(json.loads(path.read_text()))

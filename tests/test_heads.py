@@ -186,6 +186,32 @@ def test_refuses_another_target(trained, tmp_path):
         load_head(tmp_path)
 
 
+def test_a_warm_start_continues_from_the_trained_head(trained, tmp_path):
+    """--init: a new run starts from the trained weights (its first steps' loss is the
+    trained head's, far under a fresh head's), keeps the head's vocabulary, and refuses a
+    head of another target or a different vocabulary."""
+    from speculative.train.head import train_head
+
+    target, head, _, data = trained
+    save_head(head, tmp_path / "first")
+    windows = data[:4 * 64].reshape(4, 64).long()
+    cfg = HeadTraining(seconds=0, steps=3, lr=1e-4, seq_len=64, batch_size=8, bf16=False, seed=1,
+                       init=tmp_path / "first")
+    warm, summary = train_head(target, data, tmp_path / "warm", cfg, "tiny-1")
+    fresh, fresh_summary = train_head(target, data, tmp_path / "fresh", HeadTraining(
+        seconds=0, steps=3, lr=1e-4, seq_len=64, batch_size=8, bf16=False, seed=1), "tiny-1")
+    with torch.no_grad():
+        trained_loss = head_loss(head, target, target.output_head(), windows, 3)
+        warm_loss = head_loss(warm, target, target.output_head(), windows, 3)
+    assert abs(warm_loss - trained_loss) < 0.05 and summary["final_loss"] < fresh_summary["final_loss"] - 0.05
+    assert warm.vocab_ids is None and warm.cfg == head.cfg
+    with pytest.raises(ValueError, match="trained for tiny-1"):
+        train_head(tiny("decoder_only", seed=2), data, tmp_path / "other", cfg, "tiny-2")
+    with pytest.raises(ValueError, match="--vocab 16 differs from the vocabulary of the head"):
+        train_head(target, data, tmp_path / "narrow", HeadTraining(seconds=0, steps=1, seq_len=64, bf16=False,
+                                                                    vocab=16, init=tmp_path / "first"), "tiny-1")
+
+
 @pytest.fixture(scope="module")
 def sampling_pair():
     """A sharp 8-token target and a head scoring 5 of its tokens (q zero on the others)."""
@@ -233,7 +259,8 @@ def test_train_head_refuses_bad_input(tmp_path, capsys):
 
     cases = [(["--data", str(tmp_path / "missing.jsonl")], "neither 'stdlib', 'sharegpt' nor a JSON-lines file"),
              (["--max-minutes", "0"], "--max-minutes"),
-             (["--vocab", "-1"], "--vocab")]
+             (["--vocab", "-1"], "--vocab"),
+             (["--init", str(tmp_path), "--resume"], "give one of them")]
     (tmp_path / "file").write_text("x")
     cases.append((["--out", str(tmp_path / "file")], "is a file; give a directory"))
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')

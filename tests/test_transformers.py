@@ -183,6 +183,7 @@ def test_gemma_3_270m_greedy_equals_generate():
     assert len(ids) > 600
     decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     out = decoder.generate(ids, 40)
+    target.model.set_attn_implementation("sdpa")  # the reference with transformers' own attention
     assert out == reference(target.model, ids, 40)
     assert decoder.stats.tokens_per_forward > 1.5
 
@@ -204,3 +205,46 @@ def test_sampling_with_a_transformers_target_is_lossless():
     counts = draw(decoder)
     assert 0 < decoder.acceptance_rate() < 1
     assert g_test_pvalue(counts, exact_joint(target, config)) > 0.001
+
+
+def test_long_forwards_attend_by_blocks_and_match_plain_sdpa(monkeypatch):
+    """A prompt longer than a block of queries: each block attends only the key slots its
+    mask opens (fewer than all with a sliding window), the logits equal those of plain SDPA,
+    ragged rows included, and greedy decoding equals transformers' generate with plain SDPA."""
+    import copy
+
+    import speculative.models.hf as hf
+    from speculative.models.base import pad
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    monkeypatch.setattr(hf, "QUERY_BLOCK", 16)
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    plain = Gemma3ForCausalLM(config).eval()
+    blocks = hf.HFModel(copy.deepcopy(plain))
+    assert blocks.model.config._attn_implementation == hf.BLOCK_ATTENTION
+    monkeypatch.setattr(hf, "use_block_attention", lambda model: None)
+    expected = hf.HFModel(plain)  # the same adapter over plain SDPA
+    assert plain.config._attn_implementation == "sdpa"
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(query, key, *args, **kwargs):
+        widths.append((query.shape[2], key.shape[2]))
+        return sdpa(query, key, *args, **kwargs)
+
+    rows = [prompt(70, 1), prompt(53, 2)]
+    with torch.inference_mode():
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        logits = blocks.forward(pad(rows), blocks.new_state(2), [70, 53])
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+        reference_logits = expected.forward(pad(rows), expected.new_state(2), [70, 53])
+    assert all(queries <= 16 for queries, _ in widths) and len(widths) == 2 * 5  # 2 layers x 5 blocks
+    assert min(keys for _, keys in widths) < 16 + 6 and max(keys for _, keys in widths) == 70
+    for b, n in enumerate([70, 53]):
+        torch.testing.assert_close(logits[b, :n], reference_logits[b, :n], rtol=1e-4, atol=1e-4)
+    ids = prompt(60, 3)
+    decoder = SpeculativeDecoder(blocks, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+    assert decoder.generate(ids, 20) == reference(plain, ids, 20)

@@ -9,6 +9,10 @@ positions, not in slots; the cache keeps full layers so no slot a window may nee
 dropped. Rollback hides the rolled-back slots and crops the slots no row keeps; when
 holes make up more than half the slots, and whenever rows join, each row's slots are
 compacted to the front, so a long-running batch keeps a bounded cache.
+
+Long forwards (prompts) run attention by blocks of queries, each over the key slots its
+mask leaves open to some query of the block (`block_attention`): causal and sliding-window
+masks then skip work instead of masking it (`python benchmarks/run.py prefill-gemma`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,43 @@ from .base import OutputHead
 
 # Layer types whose masks we know how to build.
 LAYER_TYPES = {"full_attention", "sliding_attention"}
+# The attention implementation HFModel gives models that use SDPA, and its block of queries.
+BLOCK_ATTENTION = "speculative_block_sdpa"
+QUERY_BLOCK = 128
+
+
+def block_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, run for each block of QUERY_BLOCK queries over the span
+    of key slots that the block's mask leaves open (from the first open slot to the last).
+    Exact: a slot outside the span gets no weight from any query of the block. Forwards of
+    at most one block (every decoding step) and masks other than additive ones go whole."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or not attention_mask.is_floating_point() or query.shape[2] <= QUERY_BLOCK:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    blocked = torch.finfo(attention_mask.dtype).min
+    outputs = []
+    for start in range(0, query.shape[2], QUERY_BLOCK):
+        mask = attention_mask[:, :, start:start + QUERY_BLOCK]
+        open_slots = (mask != blocked).flatten(0, 2).any(0).nonzero()
+        first, last = (int(open_slots[0]), int(open_slots[-1]) + 1) if len(open_slots) else (0, mask.shape[-1])
+        output, _ = sdpa_attention_forward(module, query[:, :, start:start + QUERY_BLOCK], key[:, :, first:last],
+                                           value[:, :, first:last], mask[..., first:last], **kwargs)
+        outputs.append(output)  # (B, block, heads, D)
+    return torch.cat(outputs, 1), None
+
+
+def use_block_attention(model) -> None:
+    """Give a model that runs transformers' SDPA attention `block_attention` instead (the
+    same masks for transformers' own generate, which then gets the same speed)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(BLOCK_ATTENTION, block_attention)
+    AttentionMaskInterface.register(BLOCK_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(BLOCK_ATTENTION)
 
 
 class HFState:
@@ -63,6 +104,7 @@ class HFModel:
         if base is None or base is model:
             self._special.append("no separate base model")
         self._head = self._mkl_head(model)
+        use_block_attention(model)
 
     def _mkl_head(self, model):
         """The output layer when it runs on MKL's float32 GEMM, else None.

@@ -53,6 +53,9 @@ class HeadTraining:
     bf16: bool = field(default_factory=lambda: cpu_has_fast(torch.bfloat16))
     # Attention heads of the head's block.
     num_heads: int = 4
+    # A trained head to start from (a warm start: its weights and vocabulary, a new
+    # schedule); None: a fresh head.
+    init: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.unroll < 1:
@@ -121,8 +124,11 @@ def train_head(target, data: torch.Tensor, out: Path, cfg: HeadTraining, target_
         raise ValueError("the target's linear layers are packed for inference and pass no gradients to the head: "
                          "load it with load_model(..., pack=False) to train a head")
     target.eval().requires_grad_(False)
-    vocab_ids = frequent_ids(data, target.vocab_size, cfg.vocab)
-    head = build_head(target, target_name, vocab_ids, seed=cfg.seed, num_heads=cfg.num_heads).float()
+    if cfg.init is None:
+        vocab_ids = frequent_ids(data, target.vocab_size, cfg.vocab)
+        head = build_head(target, target_name, vocab_ids, seed=cfg.seed, num_heads=cfg.num_heads).float()
+    else:
+        head = warm_start(target, target_name, cfg)
     out_head = target.output_head(head.vocab_ids)
     phase = PhaseConfig("head", cfg.seconds, batch_size=cfg.batch_size, seq_len=cfg.seq_len - 1, lr=cfg.lr,
                         weight_decay=0.0, steps=cfg.steps, seed=cfg.seed, bf16=cfg.bf16)
@@ -133,6 +139,23 @@ def train_head(target, data: torch.Tensor, out: Path, cfg: HeadTraining, target_
     summary["data_tokens"] = int(len(data))
     save_head(head, out / "head")
     return head, summary
+
+
+def warm_start(target, target_name: str, cfg: HeadTraining) -> DraftHead:
+    """The head at cfg.init, refused unless trained for this target and of the shape asked
+    for; it keeps its own vocabulary (its output rows are what it learned)."""
+    from ..loading import resolve
+
+    head = load_head(resolve(str(cfg.init)), target.device)
+    head.check_target(target)
+    width = 0 if head.vocab_ids is None else len(head.vocab_ids)
+    if cfg.vocab and cfg.vocab != width:
+        raise ValueError(f"--vocab {cfg.vocab} differs from the vocabulary of the head at {cfg.init} "
+                         f"({width or 'all'} tokens); leave --vocab out to keep it")
+    if head.cfg.num_heads != cfg.num_heads:
+        raise ValueError(f"the head at {cfg.init} has {head.cfg.num_heads} attention heads, not {cfg.num_heads}")
+    head.record_target(target, target_name)
+    return head.float()
 
 
 def _autocast_loss(head, target, out_head, window, cfg, autocast):
@@ -148,6 +171,7 @@ def run_train_head(target, target_name: str, train_data: torch.Tensor, held_prom
     head, summary = train_head(target, train_data, out, cfg, target_name, resume)
     untrained = build_head(target, target_name, head.vocab_ids, seed=cfg.seed, num_heads=cfg.num_heads)
     report = {"target": target_name, "data": source, "training": summary,
+              "init": None if cfg.init is None else str(cfg.init),
               "vocab": 0 if head.vocab_ids is None else len(head.vocab_ids), "unroll": cfg.unroll,
               "head_parameters": sum(p.numel() for n, p in head.named_parameters() if "embed_tokens" not in n),
               "trained": evaluate(target, load_head(out / "head"), held_prompts),

@@ -47,7 +47,14 @@ def add_train_head(sub) -> None:
                    "minutes, > 0 (default: %(default)s)")
     p.add_argument("--vocab", type=integer(0), default=0, help="score only the N most frequent tokens of the "
                    "data (FR-Spec; output unchanged); 0 = the whole vocabulary (default)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (an interrupted run; "
+                   "a finished one is done)")
+    p.add_argument("--init", metavar="HEAD", help="start from a trained head (a directory or a head preset such as "
+                   "gemma-3-270m-head) with a new schedule: more training for a finished head; it keeps its "
+                   "vocabulary, and must have been trained for --target")
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the head's initial weights and of the "
+                   "order of training windows; give a continuation (--init) another one so that it reads other "
+                   "windows first (default: %(default)s)")
     p.add_argument("--unroll", type=integer(1), default=3, help="drafting steps unrolled per window, the head "
                    "reading its own features after the first (default: %(default)s)")
     p.add_argument("--batch-size", type=integer(1), default=8, help="windows per step (default: %(default)s)")
@@ -70,6 +77,9 @@ def run(args) -> int:
     if args.ship and args.target not in HEADS:
         raise ValueError(f"--ship installs the preset head of a target that has one ({', '.join(HEADS)}), "
                          f"not of {args.target}")
+    if args.init is not None and args.resume:
+        raise ValueError("--init starts a new run from a trained head and --resume continues an interrupted one; "
+                         "give one of them")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
     target = load_model(args.target, pack=False)  # packed layers carry no gradients to the head
@@ -80,7 +90,7 @@ def run(args) -> int:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the target's context of {target.max_seq_len}")
     data, prompts = read_data(args.data, tokenizer, args.eval_prompts)
     cfg = HeadTraining(seconds=args.max_minutes * 60, unroll=args.unroll, vocab=args.vocab,
-                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
+                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed, init=args.init)
     report = run_train_head(target, str(args.target), data, prompts, out, cfg, args.resume, source=args.data)
     trained, untrained = report["trained"], report["untrained"]
     print(f"head in {out / 'head'}: alpha {trained['acceptance_rate']:.3f} (untrained {untrained['acceptance_rate']:.3f}),"
