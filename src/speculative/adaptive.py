@@ -230,9 +230,11 @@ class AdaptivePolicy:
         """The node budget of a tree step (`TreeBudget.plan`)."""
         return self.tree.plan(self.costs[batch], sources, lookup_sizes, caps)
 
-    def observe_tree(self, batch: int, sources: list[str | None], paths: list[list[int]], budget: int, width: int,
-                     verify_seconds: float, draft_forwards: int, draft_seconds: float) -> None:
-        self.tree.observe(sources, paths, budget, draft_forwards, draft_seconds)
+    def observe_tree(self, batch: int, sources: list[str | None], paths: list[list[int]], depths: list[int],
+                     caps: list[int], budget: int, width: int, verify_seconds: float, draft_forwards: int,
+                     draft_seconds: float) -> None:
+        """A tree step: each row's accepted path, its tree's depth and depth cap (`TreeBudget.observe`)."""
+        self.tree.observe(sources, paths, budget, draft_forwards, draft_seconds, depths, caps)
         self.observe_costs(batch, width, verify_seconds, 0, 0.0)
 
     def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],

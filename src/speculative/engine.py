@@ -404,10 +404,11 @@ class Engine:
             if row.finished:
                 self._forget(row)
         stats.target_forwards += 1
-        stats.record_step([max(t.depths(), default=0) for t in trees], [len(p) for p in paths], list(map(len, trees)))
+        depths = [max(t.depths(), default=0) for t in trees]
+        stats.record_step(depths, [len(p) for p in paths], list(map(len, trees)))
         with LEARNING:
-            policy.observe_tree(len(rows), sources, paths, budget, tokens.shape[1], verify_seconds, max(limits),
-                                draft_seconds)
+            policy.observe_tree(len(rows), sources, paths, depths, caps, budget, tokens.shape[1], verify_seconds,
+                                max(limits), draft_seconds)
         self.target.rollback(self.state, [len(row.sequence) - 1 for row in rows])
         if hidden is not None:  # the last committed token and the accepted path are in the target's state
             self.proposer.read_features([hidden[b, index] for b, index in enumerate(kept)])
