@@ -75,8 +75,8 @@ def test_the_full_budget_is_probed_now_and_then():
 
 
 def test_a_tree_kept_whole_doubles_the_next_budget():
-    """A path through the whole of a tree shallower than its cap says nothing of larger
-    budgets (the budget may have cut it): the next step drafts twice the nodes, once."""
+    """A path through the whole of a lookup tree shallower than its cap says nothing of
+    larger budgets (the budget may have cut it): the next step drafts twice the nodes, once."""
     budget = TreeBudget(max_nodes=16, max_depth=8)
     for _ in range(200):  # paths of 2 nodes: with dear width, a budget of 2 pays best
         budget.observe([LOOKUP], [[0, 1]], budget=2, draft_forwards=0, draft_seconds=0.0)
@@ -87,6 +87,8 @@ def test_a_tree_kept_whole_doubles_the_next_budget():
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2  # once
     budget.observe([LOOKUP], [[0]], 2, 0, 0.0, depths=[2], caps=[8])  # rejected at depth 2
     budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], caps=[2])  # kept whole at its cap
+    assert budget.plan(dear, [LOOKUP], [16], [8]) == 2
+    budget.observe([MODEL], [[0, 1]], 2, 2, 0.0, depths=[2], caps=[8])  # a draft model's: its plan decides
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2
     for _ in range(3):
         budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], caps=[8])

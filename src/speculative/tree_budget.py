@@ -14,10 +14,13 @@ probed up to the widest tree); a draft model's tree costs one draft forward per 
 min(n, depth cap) of them, each `draft` seconds (learned from tree steps); n = 0 is a plain
 step. Budgets above the largest one observed keep their prior (a chain's: each position
 kept with probability PRIOR); every `probe_every` steps one drafts the full budget, so
-that they are learned. A tree kept whole (its accepted path reaches its deepest node)
-that was shallower than its depth cap may have been cut by its budget: it says nothing
-about larger budgets, so the next step drafts at least twice as many nodes (text copied from the prompt climbs to the full budget at once; waiting for
-the probe, Gemma 3 270M's grounded prompts sat at 8 of 24 nodes, each tree kept whole).
+that they are learned. A lookup tree kept whole (its accepted path reaches its deepest
+node) that was shallower than its depth cap may have been cut by its budget: it says
+nothing about larger budgets, so the next step drafts at least twice as many nodes. Text
+copied from the prompt then climbs to the full budget at once (waiting for the probe, a
+replay of Gemma 3 270M's grounded prompts sat at 7-8 of 24 nodes, each tree kept whole).
+A draft model's trees do not grow so: each depth costs it a forward, which the plan
+weighs (forced growth cost the shipped verifier's head trees 1.30x -> 1.18x).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class TreeBudget:
     draft: float | None = None
     kept: dict = field(default_factory=dict)
     idle_steps: int = 0
-    # The least budget of the next step: twice that of a step whose trees were kept whole.
+    # The least budget of the next step: twice that of a step with a lookup tree kept whole.
     grow: int = 0
 
     def __post_init__(self) -> None:
@@ -113,11 +116,12 @@ class TreeBudget:
                 weight: float = 0.1) -> None:
         """Learn from one tree step: what each row's tree kept, and a draft forward's cost.
         depths[b]: how deep row b's tree went (a path that deep kept it whole), caps[b]: how
-        deep it could have gone."""
+        deep it could have gone (a lookup tree kept whole short of it: the next budget grows)."""
         for source, path in zip(sources, paths):
             if source is not None:
                 self.kept[source].observe(path, budget)
-        if depths and any(path and len(path) == depth < cap for path, depth, cap in zip(paths, depths, caps)):
+        if depths and any(source == LOOKUP and path and len(path) == depth < cap
+                          for source, path, depth, cap in zip(sources, paths, depths, caps)):
             self.grow = min(self.max_nodes, 2 * budget)
         if draft_forwards:
             seconds = draft_seconds / draft_forwards
