@@ -221,7 +221,7 @@ def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> d
     trained = json.loads((resolve(head_preset) / "report.json").read_text())
     return {"judged": judged, "c": round(sorted(ratios)[len(ratios) // 2], 3), "training": trained["training"],
             "head_parameters": trained["head_parameters"], "unroll": trained["unroll"], "vocab": trained["vocab"],
-            "data": trained["data"]}
+            "data": trained["data"], "init": trained.get("init")}
 
 
 # The last landed commit before the step engine: its decoder is the batch-1 baseline.
@@ -351,7 +351,8 @@ def heads_words(heads: dict) -> str:
     vocab = f", a reduced vocabulary of {heads['vocab']:,} tokens" if heads.get("vocab") else ""
     return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f} of a "
             f"one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
-            f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min on "
+            f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min"
+            f"{' more (continuing ' + heads['init'] + ')' if heads.get('init') else ''} on "
             f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "
             f"unroll {heads['unroll']}{vocab}).\n")
 
