@@ -159,13 +159,18 @@ def section_batch():
 def section_heads():
     """The shipped verifier with its draft head (default-head), against the distilled draft at the
     same K, with and without prompt lookup in front; c, alpha per position and tau apart."""
+    from speculative.loading import load_draft
+
     target, tokenizer = load_model("default"), load_tokenizer("default")
-    head, draft = load_model("default-head"), load_model("default-draft")
+    # The head as --draft-dtype auto loads it (int8 on CPUs that run it), and in float32.
+    head, float_head = load_draft("default-head"), load_model("default-head", dtype="float32")
+    draft = load_model("default-draft")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
-    drafts = {"head": head, "head+lookup": head, "draft": draft, "draft+lookup": draft}
+    drafts = {"head": head, "head+lookup": head, "head float32": float_head, "draft": draft, "draft+lookup": draft}
     report = run_bench(target, drafts, ids, max_new=64, runs=3, ks=(4,), eos=None, ngram=False, peers=False,
                        lookup=("head+lookup", "draft+lookup"))
-    report["heads"] = head_figures(target, {"head": head, "draft": draft}, ids, 64, "default-head")
+    report["heads"] = head_figures(target, {"head": head, "head float32": float_head, "draft": draft}, ids, 64,
+                                   "default-head")
     report["title"] = "Shipped verifier with its draft head (default-head), code completion, greedy, 64 new tokens"
     save("heads", report)
 
@@ -176,7 +181,9 @@ def section_heads_gemma():
     prompts with lookup in front; n-gram drafting beside them."""
     from speculative.train.sharegpt import sharegpt_data
 
-    target, head = load_model("gemma-3-270m"), load_model("gemma-3-270m-head")
+    from speculative.loading import load_draft
+
+    target, head = load_model("gemma-3-270m"), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
     _, chat = sharegpt_data(target.tokenizer, 1, 10)  # held-out prompts (and one training token)
     report = run_bench(target, {"head": head, "head+lookup": head}, chat, max_new=64, runs=2, ks=(4,), eos=None,
                        peers=False, lookup=("head+lookup",))
@@ -209,17 +216,21 @@ def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> d
         stats = decoder.stats
         judged[name] = {"alpha": round(stats.acceptance_rate, 4), "tau": round(stats.tokens_per_forward, 3),
                         "alpha_at": [round(a / d, 4) for a, d in zip(stats.accepted_at, stats.drafted_at)]}
-    with torch.inference_mode():  # c: one drafting step against a one-token target forward, batch 1
-        proposer = HeadProposer(models["head"], target)
-        capacity = len(ids[0]) + 16
-        proposer.add_rows(ids[:1], capacity, [None], [None])
-        state = prefill(target, ids[:1], capacity)
-        ratios = []
-        for _ in range(5):
-            costs = measure(target, state, ids[:1], proposer, 4)
-            ratios.append(costs.draft / costs.v1)
+    c = {}  # per head: one drafting step against a one-token target forward, batch 1
+    for name in (n for n in models if n.startswith("head")):
+        with torch.inference_mode():
+            proposer = HeadProposer(models[name], target)
+            capacity = len(ids[0]) + 16
+            proposer.add_rows(ids[:1], capacity, [None], [None])
+            state = prefill(target, ids[:1], capacity)
+            ratios = []
+            for _ in range(5):
+                costs = measure(target, state, ids[:1], proposer, 4)
+                ratios.append(costs.draft / costs.v1)
+        c[name] = round(sorted(ratios)[len(ratios) // 2], 3)
     trained = json.loads((resolve(head_preset) / "report.json").read_text())
-    return {"judged": judged, "c": round(sorted(ratios)[len(ratios) // 2], 3), "training": trained["training"],
+    return {"judged": judged, "c": c.pop("head"), "c_others": c, "int8": models["head"].int8,
+            "training": trained["training"],
             "head_parameters": trained["head_parameters"], "unroll": trained["unroll"], "vocab": trained["vocab"],
             "data": trained["data"], "init": trained.get("init")}
 
@@ -349,8 +360,9 @@ def heads_words(heads: dict) -> str:
     rows = "; ".join(f"{name}: alpha {j['alpha']:.3f}, tau {j['tau']:.2f}, alpha per position "
                      f"{', '.join(f'{a:.2f}' for a in j['alpha_at'])}" for name, j in judged.items())
     vocab = f", a reduced vocabulary of {heads['vocab']:,} tokens" if heads.get("vocab") else ""
-    return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f} of a "
-            f"one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
+    others = "".join(f" ({name}: {c:.3f})" for name, c in heads.get("c_others", {}).items())
+    return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f}"
+            f"{' in int8' if heads.get('int8') else ''}{others} of a one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
             f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min"
             f"{' more (continuing ' + heads['init'] + ')' if heads.get('init') else ''} on "
             f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "

@@ -29,6 +29,7 @@ import time
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, SuffixProposer, load_model, \
     load_tokenizer
 from speculative.bench import plain_method, run_bench, run_methods, speculative_method
+from speculative.loading import load_draft
 
 MAX_NEW = 96
 NODES, DEPTH, TOP_K = 16, 8, 3
@@ -117,7 +118,7 @@ def models_section(save, prompts) -> dict:
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - MODEL_NEW - MODEL_NODES * MODEL_TOP_K)
     methods = [plain_method("autoregressive", target)]
     for name in ("draft", "head"):
-        model = load_model(f"default-{name}")
+        model = load_draft(f"default-{name}")  # as --draft-dtype auto: the head in int8 on CPUs
         for lookup in (False, True):
             label = name + ("+lookup" if lookup else "")
             tree = dict(num_draft_tokens=MODEL_DEPTH, tree_top_k=MODEL_TOP_K, tree_max_tokens=MODEL_NODES)

@@ -1,6 +1,7 @@
 """Draft heads (EAGLE-style): exact output, exact distribution, save/load, refusal of another
 target, and a short training run that makes a head draft better than an untrained one."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -174,6 +175,34 @@ def test_save_and_load(trained, tmp_path):
     assert SpeculativeDecoder(target, loaded).generate(ids, 20) == autoregressive_generate(target, ids, 20)
 
 
+def test_an_int8_head_drafts_nearly_as_the_float_one_and_changes_no_output(trained, tmp_path):
+    """int8 linear layers (the head's and its copy of the target's output layer): the same
+    greedy output as the target's, trees and lookup included, and proposals close to the
+    float head's (its acceptance within a few points); for drafting only, not saving."""
+    from speculative.loading import load_draft
+    from speculative.kernels import Int8Linear
+
+    target, head, _, _ = trained
+    save_head(head, tmp_path / "h")
+    quantized = load_draft(tmp_path / "h")  # auto: int8 for a head wherever fbgemm runs
+    assert quantized.int8 and isinstance(quantized.fuse, Int8Linear)
+    assert isinstance(HeadProposer(quantized, target).head.layer, Int8Linear)
+    batch = prompts(5, seed=3)
+    expected = autoregressive_generate(target, batch, 40)
+    rates = {}
+    for name, model in (("float", head), ("int8", quantized)):
+        for config in (SpeculativeConfig(num_draft_tokens=4, adaptive=False),
+                       SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True),
+                       SpeculativeConfig(num_draft_tokens=4, adaptive=False, tree_top_k=2, tree_max_tokens=8)):
+            decoder = SpeculativeDecoder(target, model, config)
+            assert decoder.generate(batch, 40) == expected, (name, config)
+            rates.setdefault(name, decoder.stats.acceptance_rate)
+    assert rates["int8"] > 0.08 and abs(rates["int8"] - rates["float"]) < 0.05, rates
+    assert not load_draft(tmp_path / "h", dtype="float32").int8
+    with pytest.raises(ValueError, match="int8 draft head is for drafting only"):
+        save_head(quantized, tmp_path / "again")
+
+
 def test_refuses_another_target(trained, tmp_path):
     _, head, _, _ = trained
     other = tiny("decoder_only", seed=2)  # same sizes, other weights
@@ -221,8 +250,12 @@ def sampling_pair():
 
 
 @pytest.mark.slow
-def test_sampling_with_a_reduced_vocabulary_is_lossless(sampling_pair):
+@pytest.mark.parametrize("int8", [False, True])
+def test_sampling_with_a_reduced_vocabulary_is_lossless(sampling_pair, int8):
     target, head = sampling_pair
+    if int8:
+        head = copy.deepcopy(head)
+        head.quantize()
     config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2)
     decoder = SpeculativeDecoder(target, head, config)
     counts = draw(decoder)

@@ -73,9 +73,8 @@ def add_precision(p) -> None:
                    "(default: %(default)s). Logits are compared in float32 whatever the weights are")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_CHOICES, help="execution dtype of a draft "
                    "model; int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only "
-                   "its proposals, never the output. auto = int8 on CPUs that run it for drafts of 4M weights or "
-                   "more, else as --dtype "
-                   "(default: %(default)s)")
+                   "its proposals, never the output. auto = int8 on CPUs that run it, for draft heads and for "
+                   "drafts of 4M weights or more, else as --dtype (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, default=0, help="the draft model scores only the N most frequent "
                    "tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much of a small "
                    "draft's cost; output unchanged). 0 = all tokens (default)")

@@ -101,6 +101,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         model = _load_gguf(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
     elif config.get("model_type") == HEAD_TYPE:  # drafts from a target's features: bound to it by the engine
         model = load_head(path, device, torch_dtype)
+        if quantize:
+            log.info("%s: %d linear layers in int8", name_or_path, model.quantize())
     else:
         if config.get("model_type") in MODEL_TYPES:
             model = _load_builtin(path, config, device, torch_dtype)
@@ -162,11 +164,19 @@ def _prepare(module: torch.nn.Module, name, pack: bool | None, quantize: bool) -
 
 def load_draft(name_or_path, device="cpu", dtype="auto"):
     """A draft model. `auto`: int8 on CPUs that run it, for drafts of at least SMALL_MODEL
-    matrix weights (a draft's precision changes its proposals, never the output); else as
-    load_model's auto."""
-    if dtype == "auto" and int8_available(device) and matrix_weights(resolve(name_or_path)) >= SMALL_MODEL:
+    matrix weights and for draft heads, whatever their size (a head's weights are read
+    anew after every target forward, which evicts them from the caches); else as
+    load_model's auto. A draft's precision changes its proposals, never the output."""
+    path = resolve(name_or_path)
+    if dtype == "auto" and int8_available(device) and (is_head(path) or matrix_weights(path) >= SMALL_MODEL):
         dtype = INT8
     return load_model(name_or_path, device, dtype)
+
+
+def is_head(path: Path) -> bool:
+    """Whether `path` is a draft head's directory."""
+    config = path / "config.json"
+    return path.is_dir() and config.is_file() and read_config(config).get("model_type") == HEAD_TYPE
 
 
 def matrix_weights(path: Path) -> int:

@@ -9,9 +9,15 @@ estimate of the target's f_t, which the target's output layer (frozen; over a re
 vocabulary when `vocab_ids` is set) turns into q for x_{t+1}. From the second drafted
 token on, the head feeds its own h in place of the target's feature.
 
-The head keeps no embedding or output weights of its own: `bind(target)` lends it the
-target's, after checking that it is the target the head was trained for (hidden size,
-vocabulary and a fingerprint of its embedding, recorded at training).
+The head keeps no embedding or output weights of its own: the proposer borrows the
+target's, after `check_target` has made sure that it is the target the head was trained
+for (hidden size, vocabulary and a fingerprint of its embedding, recorded at training).
+
+`quantize()` puts the head's linear layers, and the copy of the target's output layer it
+drafts with (`output_layer`), in int8. On CPUs that is what makes a head cheap: each
+target forward evicts the head's weights from the caches, so every drafting step reads
+them from memory again, and int8 reads a quarter of float32's bytes. The rounding changes
+the proposals, never the output.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .base import load_checked
+from ..kernels import Int8Linear, quantize_linears
+from .base import OutputHead, load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM, KVState
 
 HEAD_TYPE = "draft_head"
@@ -98,6 +105,30 @@ class DraftHead(nn.Module):
         self.blocks = DecoderOnlyLM(cfg.block_config())
         # The reduced vocabulary (FR-Spec): target ids the head scores, most frequent first.
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long(), persistent=False)
+        self.int8 = False  # linear layers in int8 (`quantize`)
+
+    def quantize(self) -> int:
+        """int8 linear layers (for drafting on CPUs; not for training or saving); returns how many."""
+        if self.int8:
+            return 0
+        self.fuse = Int8Linear(self.fuse)
+        self.int8 = True
+        return 1 + quantize_linears(self.blocks.layers)
+
+    def output_layer(self, target) -> nn.Module:
+        """The target's output layer over the head's vocabulary (all of it without one), as
+        hidden -> float32 logits; in int8 when the head is."""
+        if not self.int8:
+            return target.output_head(self.vocab_ids)
+        full = target.output_head().layer
+        pick = slice(None) if self.vocab_ids is None else self.vocab_ids.to(full.weight.device)
+        weight, bias = full.weight.detach()[pick], getattr(full, "bias", None)
+        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device)
+        with torch.no_grad():
+            rows.weight.copy_(weight)
+            if bias is not None:
+                rows.bias.copy_(bias.detach()[pick])
+        return OutputHead(Int8Linear(rows))
 
     # --- protocol attributes and state (the blocks' KV cache) -----------------------------
     @property
@@ -110,7 +141,7 @@ class DraftHead(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.fuse.weight.device
+        return self.blocks.norm.weight.device
 
     def new_state(self, batch_size: int, capacity: int) -> KVState:
         return self.blocks.new_state(batch_size, capacity)
@@ -131,7 +162,7 @@ class DraftHead(nn.Module):
         before them (B, T, H); appended to `state` as a model's forward appends tokens
         (without a state: whole sequences from position 0, for training). `positions` and
         `tree` as for decoder_only (a head expanding a token tree)."""
-        dtype = self.fuse.weight.dtype
+        dtype = self.blocks.norm.weight.dtype
         x = self.fuse(torch.cat([embedded.to(dtype), features.to(dtype)], -1))
         return self.blocks.run_blocks(x, state, num_valid, positions, tree)
 
@@ -180,6 +211,8 @@ def save_head(head: DraftHead, directory, weight_dtype: torch.dtype | None = Non
     """model.safetensors (the head's weights, and its vocabulary ids) plus config.json."""
     from safetensors.torch import save_file
 
+    if head.int8:
+        raise ValueError("an int8 draft head is for drafting only: save the float head it was quantized from")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()

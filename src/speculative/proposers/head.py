@@ -30,7 +30,7 @@ class HeadProposer(DraftModelProposer):
         self.model = head
         self.vocab_size = target.vocab_size
         self.vocab = head.vocab_ids
-        self.head = target.output_head(self.vocab)  # the target's output layer, frozen
+        self.head = head.output_layer(target)  # the target's output layer, frozen
         self.embed = target.embed
         # The output layer's dtype: the target's, which the head's own may differ from.
         self.out_dtype = target.embed(torch.zeros(1, 1, dtype=torch.long, device=target.device)).dtype
