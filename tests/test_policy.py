@@ -123,3 +123,29 @@ def test_tokens_under_the_confidence_floor_are_still_learned(right):
         assert sum(f <= 0.15 for f in floors[-50:]) == 50
     else:
         assert sum(f <= 0.15 for f in floors[-50:]) <= 50 // policy.probe_every + 1
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["apart", "negative control: pooled"])
+def test_short_lookup_matches_are_judged_apart_from_preferred_ones(pooled):
+    """Lookup drafts from matches too short to be preferred are learned in a table of their
+    own. Long matches were right 40 times, short ones wrong 8 times: a row with a short
+    match then lets the (good) draft model draft. Pooled in one table (as before), the long
+    matches' record made the short match look nearly as good, and free: the model sat out."""
+    from speculative.proposers.base import Proposal
+
+    policy = AdaptivePolicy(max_k=4)
+    if pooled:
+        policy.weak_lookup = policy.lookup
+    costs = Costs(v1=1.0, draft=0.1)
+    for width, seconds in ((2, 1.02), (5, 1.1)):
+        costs.add(width, seconds, robust=False)
+    policy.costs[1] = costs
+    policy.model.observe([4] * 40, [3] * 40)  # the draft model keeps about 3 of 4
+    proposal = Proposal(torch.zeros(1, 4, dtype=torch.long), [4], free=[True])
+    for step in range(48):
+        long_match = step % 6 != 5
+        policy.observe_step(1, proposal, [4], [4 if long_match else 0], 1.1, 0, 0.0, preferred=[long_match])
+    assert policy.lookup.alphas()[0] > (0.8 if pooled else 0.95)
+    plan = policy.plan(1, [4], [False], [4], has_model=True)  # a short match
+    assert plan.use_model != pooled and plan.takes_lookup(0, True, False) == pooled
+    assert policy.plan(1, [4], [True], [4], has_model=True).takes_lookup(0, True, True)  # a long one drafts

@@ -4,7 +4,9 @@ The policy keeps running estimates, all with exponential forgetting so that it f
 workload that changes from easy to hard prompts:
 
 - acceptance per drafted position j, P(token j kept | tokens before it kept), one table
-  for the draft model and one for prompt lookup;
+  for the draft model, one for prompt lookup matches long enough to be preferred and one
+  for the shorter ones (a one-token n-gram is right far less often: pooled, their
+  estimates made lookup drafts of a single matched token look as good as a draft head's);
 - costs at each batch size: a target forward of width 1 costs v1 seconds, and of width
   T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row product is a
   matrix-vector kernel of its own); first from probe forwards, measured once per pair of
@@ -189,7 +191,8 @@ class AdaptivePolicy:
     # every this many model steps, draft without the confidence floor.
     probe_every: int = 16
     model: Acceptance = None
-    lookup: Acceptance = None
+    lookup: Acceptance = None  # lookup matches long enough to be preferred to the model
+    weak_lookup: Acceptance = None  # the shorter ones
     costs: dict[int, Costs] = field(default_factory=dict)
     conf_accepted: list[float] = field(default_factory=lambda: [0.0] * BINS)
     conf_reached: list[float] = field(default_factory=lambda: [0.0] * BINS)
@@ -225,6 +228,7 @@ class AdaptivePolicy:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         self.model = self.model or Acceptance(self.max_k)
         self.lookup = self.lookup or Acceptance(self.max_k)
+        self.weak_lookup = self.weak_lookup or Acceptance(self.max_k)
 
     def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int], caps: list[int]) -> int:
         """The node budget of a tree step (`TreeBudget.plan`)."""
@@ -245,12 +249,13 @@ class AdaptivePolicy:
         costs = self.costs[batch]
         model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
         best, best_rate = Plan(0, False), batch / costs.verify(1)
-        e_model, e_lookup = self.model.expected(), self.lookup.expected()
+        e_model, e_strong, e_weak = self.model.expected(), self.lookup.expected(), self.weak_lookup.expected()
         for use_model in (False, True) if model_pays else (False,):
             for width in range(1, self.max_k + 1):
                 tokens, widest, model_width, model_rows, lookup_rows = 0.0, 0, 0, 0, []
                 for length, lookup_first, cap in zip(lookup_lengths, preferred, caps):
                     by_model, by_lookup = min(width, cap), min(width, length)
+                    e_lookup = e_strong if lookup_first else e_weak
                     # A preferred lookup match drafts unless the model is expected to do better.
                     take_lookup = not use_model or lookup_first and e_lookup[by_lookup] >= e_model[by_model]
                     lookup_rows.append(take_lookup)
@@ -322,12 +327,15 @@ class AdaptivePolicy:
             costs.draft = (1 - weight) * costs.draft + weight * per_forward
 
     def observe_step(self, batch: int, proposal, limits: list[int], accepted: list[int], verify_seconds: float,
-                     draft_forwards: int, draft_seconds: float) -> None:
-        """Learn from one step: lookup rows teach the lookup's acceptance, the others the
-        draft model's and where it stopped short of its limit; then the step's costs."""
+                     draft_forwards: int, draft_seconds: float, preferred: list[bool] | None = None) -> None:
+        """Learn from one step: lookup rows teach the lookup's acceptance (of preferred
+        matches or of shorter ones: `preferred`, as planned; None: all preferred), the
+        others the draft model's and where it stopped short of its limit; then the step's costs."""
         free = proposal.free or [False] * len(accepted)
-        lookup = [i for i, f in enumerate(free) if f]
-        self.lookup.observe([proposal.lengths[i] for i in lookup], [accepted[i] for i in lookup])
+        preferred = preferred or [True] * len(accepted)
+        for table, strong in ((self.lookup, True), (self.weak_lookup, False)):
+            rows = [i for i, f in enumerate(free) if f and preferred[i] == strong]
+            table.observe([proposal.lengths[i] for i in rows], [accepted[i] for i in rows])
         model = [i for i, f in enumerate(free) if not f and limits[i] > 0]
         self.model.observe([proposal.lengths[i] for i in model], [accepted[i] for i in model])
         self.model.observe_stops([limits[i] for i in model], [proposal.lengths[i] for i in model])

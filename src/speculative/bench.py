@@ -130,7 +130,8 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     (K = nodes), and (with `adaptive`) trees whose node budget the adaptive policy plans. (A
     suffix cache needs one engine across prompts: benchmarks/trees.py.) After a warm-up of
     every method, each of the `runs` rounds goes prompt by prompt and runs the baseline and
-    then every method on it, so that a machine whose speed drifts slows all methods alike. A
+    every method on it (each prompt starting the turn at the next method, so that none
+    always runs first), so that a machine whose speed drifts slows all methods alike. A
     method's speedup is the median over rounds of its speed (all prompts) over the
     baseline's in the same round; per prompt, the median over rounds of the same ratio for
     that prompt alone.
@@ -206,8 +207,12 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
         seconds = {id(m): [] for m in methods}
         for method in methods:
             method.outputs = []
-        for ids in prompts:
-            for method in methods:
+        for index, ids in enumerate(prompts):
+            # Each prompt starts the turn at another method: a method's place in the turn
+            # changes its speed by a few percent (measured: the third of three identical
+            # decoders 1-5% slower than the first in each of 3 rounds), shared out evenly so.
+            start = (round_number * len(prompts) + index) % len(methods)
+            for method in methods[start:] + methods[:start]:
                 seconds[id(method)].append(timed(method, ids, max_new, eos))
         for method in methods:
             lengths = list(map(len, method.outputs))

@@ -227,7 +227,7 @@ class Engine:
                 self._commit(rows, proposal, accepted, extra, hidden, ran, stats, outputs)             # 5 commit
                 with LEARNING:
                     policy.observe_step(len(rows), proposal, limits, accepted, verify_seconds, proposal.forwards,
-                                        draft_seconds)
+                                        draft_seconds, preferred)
                 self._retire({i for i, row in enumerate(rows) if row.finished})                       # 6 retire
         stats.total_seconds = self.clock() - started
         self.stats.add(stats)
