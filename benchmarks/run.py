@@ -362,8 +362,9 @@ def heads_words(heads: dict) -> str:
     vocab = f", a reduced vocabulary of {heads['vocab']:,} tokens" if heads.get("vocab") else ""
     others = "".join(f" ({name}: {c:.3f})" for name, c in heads.get("c_others", {}).items())
     return (f"Greedy, fixed K = 4, no lookup: {rows}. The head's cost per drafted token c = {heads['c']:.3f}"
-            f"{' in int8' if heads.get('int8') else ''}{others} of a one-token target forward. Head: {heads['head_parameters']:,} weights of its own (the target's "
-            f"embedding and output layer are borrowed), trained {training['seconds'] / 60:.0f} min"
+            f"{' in int8' if heads.get('int8') else ''}{others} of a one-token target forward. "
+            f"Head: {heads['head_parameters']:,} weights of its own (the target's embedding and output layer are "
+            f"borrowed), trained {training['seconds'] / 60:.0f} min"
             f"{' more (continuing ' + heads['init'] + ')' if heads.get('init') else ''} on "
             f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "
             f"unroll {heads['unroll']}{vocab}).\n")
