@@ -232,7 +232,7 @@ def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> d
     return {"judged": judged, "c": c.pop("head"), "c_others": c, "int8": models["head"].int8,
             "training": trained["training"],
             "head_parameters": trained["head_parameters"], "unroll": trained["unroll"], "vocab": trained["vocab"],
-            "data": trained["data"], "init": trained.get("init")}
+            "data": trained["data"], "init": trained.get("init"), "total_training": trained.get("total_training")}
 
 
 # The last landed commit before the step engine: its decoder is the batch-1 baseline.
@@ -367,7 +367,14 @@ def heads_words(heads: dict) -> str:
             f"borrowed), trained {training['seconds'] / 60:.0f} min"
             f"{' more (continuing ' + heads['init'] + ')' if heads.get('init') else ''} on "
             f"{training['tokens']:,} tokens of {heads['data']} ({training['steps']} steps, "
-            f"unroll {heads['unroll']}{vocab}).\n")
+            f"unroll {heads['unroll']}{vocab}){total_words(heads.get('total_training'))}.\n")
+
+
+def total_words(total: dict | None) -> str:
+    """A head trained in several runs: all of its training."""
+    if not total:
+        return ""
+    return f"; {total['seconds'] / 60:.0f} min on {total['tokens']:,} tokens in all ({total['steps']} steps)"
 
 
 def render() -> str:
