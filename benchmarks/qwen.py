@@ -1,9 +1,9 @@
 """Benchmark sections for a real pair: Qwen2.5-Coder 1.5B (target) and 0.5B (draft).
 
-Three parts, each in this one process with its own baseline run interleaved with its
-methods (a machine that drifts slows all methods of a part alike); each part frees its
-models before the next, since two float32 copies of the 1.5B model and its draft would
-not fit this machine's memory beside a third:
+Three parts (the third its own section, `qwen-bfloat16`), each in this one process with
+its own baseline run interleaved with its methods (a machine that drifts slows all methods
+of a part alike); each part frees its models before the next, since two float32 copies
+of the 1.5B model and its draft would not fit this machine's memory beside a third:
 
 - float32, what `--dtype auto` gives on CPUs without native bfloat16: our plain decoding
   (oneDNN linear layers), the draft in int8 and in float32, fixed K and adaptive, with and
@@ -112,8 +112,9 @@ def part_bfloat16(log=print) -> dict:
 
 
 def section(save, log=print) -> None:
-    for name, part in (("qwen", part_float32), ("qwen-transformers", part_transformers),
-                       ("qwen-bfloat16", part_bfloat16)):
+    """The float32 and transformers parts; the bfloat16 part is a section of its own
+    (`qwen-bfloat16`), worth running apart on CPUs with native bfloat16."""
+    for name, part in (("qwen", part_float32), ("qwen-transformers", part_transformers)):
         log(f"== {name}")
         save(name, part(log))
         gc.collect()

@@ -8,7 +8,10 @@
     python benchmarks/run.py batch-ray-smoke   # a reduced Ray batch run (results/batch-ray-smoke.json only)
     python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
     python benchmarks/run.py heads-gemma   # Gemma 3 270M with its draft head: chat and grounded editing
+    python benchmarks/run.py heads-gemma-chat   # only its chat part (or heads-gemma-grounded)
     python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: block attention vs plain SDPA
+    python benchmarks/run.py verify-cost-gemma  # Gemma's forward cost by width, float32 against bfloat16 (or -qwen)
+    python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -142,6 +145,65 @@ def section_prefill_gemma(runs=3):
     save("prefill-gemma", report)
 
 
+WIDTHS = (1, 2, 5, 11, 17, 25)
+
+
+def section_verify_cost(preset="gemma-3-270m", repeats=7):
+    """What a verify forward costs by width, float32 against bfloat16: the model after the
+    prompt of median length of its workload (Gemma: the grounded prompts; Qwen: its
+    section's five), a forward of each width then rolled back (medians of `repeats`); and
+    the time to read all the prompts. Where the CPU multiplies bfloat16 natively, wide
+    forwards cost little more than one token, which is what long drafts need."""
+    from speculative.models.base import prefill
+
+    name = "gemma" if preset.startswith("gemma") else "qwen"
+    report = {"title": f"{preset}: a forward's cost by width after a prompt, and reading the prompts",
+              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "widths": list(WIDTHS), "dtypes": {}}
+    for dtype in ("float32", "bfloat16"):
+        target = load_model(preset, dtype=dtype)
+        tokenizer = target.tokenizer
+        ids = prompts("grounded_editing.jsonl", tokenizer) if name == "gemma" else qwen.workload(tokenizer)
+        context = sorted(ids, key=len)[len(ids) // 2]
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            reading = []
+            for _ in range(2):
+                started = time.perf_counter()
+                for p in ids:
+                    prefill(target, [p], len(p) + 1)
+                reading.append(time.perf_counter() - started)
+            state = prefill(target, [context], len(context) + max(WIDTHS))
+            ms = {}
+            for width in WIDTHS:
+                times = []
+                for _ in range(repeats):
+                    tokens = torch.randint(100, 20000, (1, width), generator=generator)
+                    started = time.perf_counter()
+                    target.forward(tokens, state)
+                    times.append(time.perf_counter() - started)
+                    target.rollback(state, [len(context)])
+                ms[width] = 1000 * sorted(times)[repeats // 2]
+        report["context_tokens"] = len(context)
+        report["prompts"] = len(ids)
+        report["dtypes"][dtype] = {"ms": ms, "reading_seconds": min(reading)}
+        print(dtype, {w: f"{t:.1f} ms ({t / ms[1]:.2f}x)" for w, t in ms.items()}, f"reading {min(reading):.2f} s")
+        del target, state
+    save(f"verify-cost-{name}", report)
+
+
+def verify_cost_words(report: dict) -> list[str]:
+    dtypes = report["dtypes"]
+    lines = [f"### {report['title']}\n",
+             f"{report['machine']}, {report['date']}; context {report['context_tokens']} tokens, medians.\n",
+             "| width | " + " | ".join(dtypes) + " |", "| --- |" + " --- |" * len(dtypes)]
+    for width in report["widths"]:
+        cells = [f"{d['ms'][str(width)]:.1f} ms ({d['ms'][str(width)] / d['ms']['1']:.2f}x)" for d in dtypes.values()]
+        lines.append(f"| {width} | " + " | ".join(cells) + " |")
+    reading = " | ".join(f"{d['reading_seconds']:.2f} s" for d in dtypes.values())
+    lines.append(f"| reading the {report.get('prompts', 6)} prompts | {reading} |\n")
+    return lines
+
+
 def section_batch():
     target, tokenizer = load_model("default"), load_tokenizer("default")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
@@ -176,27 +238,42 @@ def section_heads():
 
 
 def section_heads_gemma():
-    """Gemma 3 270M with its head (gemma-3-270m-head): free-form chat, the first user turns of
-    held-out ShareGPT conversations (the head's training split), and the grounded-editing
+    """Gemma 3 270M with its head (gemma-3-270m-head): free-form chat, then the grounded-editing
     prompts with lookup in front; n-gram drafting beside them."""
+    section_heads_gemma_chat()
+    section_heads_gemma_grounded()
+
+
+def section_heads_gemma_chat():
+    """The first user turns of held-out ShareGPT conversations (the head's training split):
+    free-form text, where lookup finds little. K = 2 and 4: past the second token the head's
+    drafts are rarely kept."""
     from speculative.train.sharegpt import sharegpt_data
 
     from speculative.loading import load_draft
 
     target, head = load_model("gemma-3-270m"), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
     _, chat = sharegpt_data(target.tokenizer, 1, 10)  # held-out prompts (and one training token)
-    report = run_bench(target, {"head": head, "head+lookup": head}, chat, max_new=64, runs=2, ks=(4,), eos=None,
+    report = run_bench(target, {"head": head, "head+lookup": head}, chat, max_new=64, runs=2, ks=(2, 4), eos=None,
                        peers=False, lookup=("head+lookup",))
     report["heads"] = head_figures(target, {"head": head}, chat, 64, "gemma-3-270m-head")
     report["title"] = ("Gemma 3 270M with its draft head (gemma-3-270m-head), free-form chat (held-out ShareGPT "
                        f"first turns), greedy, 64 new tokens, {dtype_words(target)}")
     save("heads-gemma-chat", report)
+
+
+def section_heads_gemma_grounded(dtype="auto"):
+    """The grounded-editing prompts, the head behind lookup, chains of K = 10 and 24 (the
+    trees-gemma section's best) and adaptive up to 24."""
+    from speculative.loading import load_draft
+
+    target, head = load_model("gemma-3-270m", dtype=dtype), load_draft("gemma-3-270m-head")
     grounded = prompts("grounded_editing.jsonl", target.tokenizer)
-    report = run_bench(target, {"head+lookup": head}, grounded, max_new=128, runs=2, ks=(4, 10), eos=None,
+    report = run_bench(target, {"head+lookup": head}, grounded, max_new=128, runs=2, ks=(10, 24), eos=None,
                        peers=False, lookup=("head+lookup",))
     report["title"] = ("Gemma 3 270M with its draft head behind prompt lookup, grounded editing, greedy, 128 new "
                        f"tokens, {dtype_words(target)}")
-    save("heads-gemma-grounded", report)
+    save("heads-gemma-grounded" if dtype == "auto" else f"heads-gemma-grounded-{dtype}", report)
 
 
 def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> dict:
@@ -337,8 +414,13 @@ def section_serve(smoke: bool = False):
 
 
 SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section_gemma, "mixed": section_mixed,
-            "batch": section_batch, "heads": section_heads, "heads-gemma": section_heads_gemma, "qwen": lambda: qwen.section(save),
+            "batch": section_batch, "heads": section_heads, "heads-gemma": section_heads_gemma,
+            "heads-gemma-chat": section_heads_gemma_chat, "heads-gemma-grounded": section_heads_gemma_grounded,
+            "heads-gemma-grounded-float32": lambda: section_heads_gemma_grounded("float32"),
+            "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
+            "qwen-bfloat16": lambda: save("qwen-bfloat16", qwen.part_bfloat16()),
+            "qwen-transformers": lambda: save("qwen-transformers", qwen.part_transformers()),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
             "divergence": lambda: qwen.divergence_section(save, prompts),
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
@@ -348,10 +430,13 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "batch-ray-smoke": lambda: batch_ray.section(save, prompts, smoke=True),
             "trees": lambda: trees.section(save, prompts), "trees-smoke": lambda: trees.section(save, prompts, True),
             "trees-gemma": lambda: trees.gemma_section(save, prompts),
-            "prefill-gemma": section_prefill_gemma,
+            "trees-gemma-float32": lambda: trees.gemma_section(save, prompts, "float32"),
+            "prefill-gemma": section_prefill_gemma, "verify-cost-gemma": section_verify_cost,
+            "verify-cost-qwen": lambda: section_verify_cost("qwen2.5-coder-1.5b"),
             "trees-models": lambda: trees.models_section(save, prompts)}
-TABLES = ("default", "default-bfloat16", "heads", "heads-gemma-chat", "heads-gemma-grounded", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
-          "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-models")
+TABLES = ("default", "default-bfloat16", "heads", "heads-gemma-chat", "heads-gemma-grounded",
+          "heads-gemma-grounded-float32", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
+          "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-gemma-float32", "trees-models")
 
 
 def heads_words(heads: dict) -> str:
@@ -379,7 +464,8 @@ def total_words(total: dict | None) -> str:
 
 def render() -> str:
     """Markdown for every result file present."""
-    parts = [f"_Generated by `python benchmarks/run.py` on {time.strftime('%Y-%m-%d')}; machine: {machine()}._\n"]
+    parts = [f"_Generated by `python benchmarks/run.py` on {time.strftime('%Y-%m-%d')}; each table names the machine "
+             f"it ran on (this one: {machine()})._\n"]
     for name in TABLES:
         path = RESULTS / f"{name}.json"
         if path.is_file():
@@ -428,6 +514,10 @@ def render() -> str:
                      f"attention {seconds['speculative_block_sdpa']:.2f} s (**{p['speedup']:.2f}x**); the next token "
                      f"after every prompt the same: {'yes' if p['same_next_token'] else 'NO'} (largest logit "
                      f"difference {p['largest_logit_difference']:.1e}).\n")
+    for name in ("verify-cost-gemma", "verify-cost-qwen"):
+        path = RESULTS / f"{name}.json"
+        if path.is_file():
+            parts += verify_cost_words(json.loads(path.read_text()))
     path = RESULTS / "trees.json"
     if path.is_file():
         parts += render_trees(json.loads(path.read_text()))
@@ -515,7 +605,8 @@ def update_markdown() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("SPECULATIVE_BENCH_THREADS", min(2, torch.get_num_threads()))))
     RESULTS.mkdir(exist_ok=True)
-    chosen = sys.argv[1:] or [name for name in SECTIONS if not name.endswith("-smoke")]
+    parts = ("heads-gemma-chat", "heads-gemma-grounded", "qwen-transformers")  # also run by heads-gemma, qwen
+    chosen = sys.argv[1:] or [name for name in SECTIONS if not name.endswith("-smoke") and name not in parts]
     unknown = [c for c in chosen if c not in SECTIONS]
     if unknown:
         raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")

@@ -102,14 +102,17 @@ def section(save, prompts, smoke: bool = False):
     return report
 
 
-def gemma_section(save, prompts) -> dict:
-    target = load_model("gemma-3-270m")
+def gemma_section(save, prompts, dtype: str = "auto") -> dict:
+    from speculative.precision import model_dtype
+
+    target = load_model("gemma-3-270m", dtype=dtype)
     ids = prompts("grounded_editing.jsonl", target.tokenizer)
     report = run_bench(target, {}, ids, max_new=128, runs=2, ks=(GEMMA_DEPTH,), eos=None, peers=False,
                        tree=(TOP_K, GEMMA_NODES))
+    dtype_name = str(model_dtype(target)).removeprefix("torch.")
     report["title"] = (f"Token trees on Gemma 3 270M, input-grounded prompts (greedy, 128 new tokens): n-gram trees "
-                       f"({GEMMA_NODES} nodes, depth {GEMMA_DEPTH}, top-{TOP_K}) against chains")
-    save("trees-gemma", report)
+                       f"({GEMMA_NODES} nodes, depth {GEMMA_DEPTH}, top-{TOP_K}) against chains, {dtype_name}")
+    save("trees-gemma" if dtype == "auto" else f"trees-gemma-{dtype}", report)
     return report
 
 

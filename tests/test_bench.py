@@ -8,6 +8,7 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
 from speculative.cli import main
+from speculative.bench import identical_words
 from helpers import TableModel, perturbed, tiny
 
 pytest.importorskip("matplotlib")
@@ -43,7 +44,7 @@ def test_bench_runs_end_to_end(tiny_pair, capsys):
     assert methods["autoregressive"]["speedup"] == 1.0
     assert methods["autoregressive"]["prompt_speedups"] == [1.0] * report["prompts"]
     for m in report["methods"]:
-        assert m["identical"] is True, m["name"]
+        assert m["identical"] is True and m["identical_prompts"] == report["prompts"], m["name"]
         assert m["tokens_per_second"] > 0 and len(m["run_tokens_per_second"]) == 3
         assert m["peak_rss_mb"] > 0
         for key in ("speedup", "acceptance_rate", "tokens_per_forward", "draft_share", "verify_share",
@@ -199,3 +200,10 @@ def test_plan_charges_the_verify_width_once_for_the_batch():
     # does, so the model drafting 4 tokens for it costs only the draft's forwards.
     plan = policy.plan(4, [4, 4, 4, 0], [True, True, True, False], [4] * 4, has_model=True)
     assert plan.width == 4 and plan.use_model
+
+
+def test_identical_words_say_how_many_outputs_differ():
+    assert identical_words({"identical": True, "identical_prompts": 6}, 6) == "yes"
+    assert identical_words({"identical": False, "identical_prompts": 5}, 6) == "NO (5/6)"
+    assert identical_words({"identical": False}, 6) == "NO"  # reports from before the count
+    assert identical_words({"identical": None}, 6) == "-"

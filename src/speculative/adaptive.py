@@ -24,9 +24,11 @@ E(n) = 1 + sum_{i=1..n} prod_{j<i} alpha_j tokens from n drafts. W = 0 (a plain 
 step) wins when speculation cannot pay, as happens on CPUs once the batch is large
 enough that a wider forward costs as much as the tokens it saves; a probe step is then
 still tried every `probe_every` steps so that the estimates can recover. Within a step a
-model row stops drafting at a token whose confidence predicts an acceptance below
-break-even, (d + s) / v1: the token would cost more than it is expected to save (every
-`probe_every` model steps one drafts without that floor, to learn the bins under it).
+model row stops drafting at a token under the confidence floor: just above the most
+confident bin whose tokens were kept less often than break-even, (d + s) / v1, such
+tokens costing more than they are expected to save. Bins start optimistic, so the floor
+rises on evidence only; every `probe_every` model steps one drafts without it, to keep
+learning the bins under it.
 """
 
 from __future__ import annotations
@@ -296,15 +298,20 @@ class AdaptivePolicy:
         return (costs.draft + costs.slope) / costs.v1
 
     def _min_confidence(self, costs: Costs) -> float:
+        """Just above the most confident bin whose tokens are kept less often than break-even
+        (0 where none is): with the bins' optimistic prior, the floor rises on evidence only."""
         break_even = self._break_even(costs)
-        for b in range(BINS):  # the lowest bin whose acceptance reaches break-even
-            if self._conf_alpha(b) >= break_even:
-                return b / BINS
-        return 1.0
+        failing = [b for b in range(BINS) if self._conf_alpha(b) < break_even]
+        return (max(failing) + 1) / BINS if failing else 0.0
 
     def _conf_alpha(self, b: int) -> float:
-        centre, weight = (b + 0.5) / BINS, self.model.prior_weight  # prior: a calibrated draft
-        return (self.conf_accepted[b] + weight * centre) / (self.conf_reached[b] + weight)
+        """Acceptance of drafted tokens of confidence bin b. The prior is optimistic, as the
+        acceptance tables' is: a bin not yet seen is drafted, and learned, rather than left
+        under the floor. (A calibrated prior, the bin's centre, kept an underconfident head
+        under a floor of 0.1 for a third of its steps, learning only from the floor-free
+        ones: tau 3.46 against 3.74 without the floor, on default-head's benchmark.)"""
+        prior, weight = max((b + 0.5) / BINS, self.model.prior), self.model.prior_weight
+        return (self.conf_accepted[b] + weight * prior) / (self.conf_reached[b] + weight)
 
     def observe_confidence(self, lengths: list[int], accepted: list[int], confidences: list[list[float]]) -> None:
         """Learn acceptance by the draft model's confidence from its drafted tokens."""

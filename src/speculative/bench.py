@@ -78,6 +78,7 @@ class Result:
     peak_rss_mb: float = 0.0
     peak_rss_delta_mb: float = 0.0
     identical: bool | None = None
+    identical_prompts: int | None = None  # prompts whose output equals the reference's
     generated_tokens: int = 0
     # Per depth d (1, 2, ...): kept / drafted at that depth (trees: rows whose tree reached it).
     acceptance_per_depth: list[float] = field(default_factory=list)
@@ -232,7 +233,10 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
                                                                               methods[0].prompt_speeds)), 3)
             for i in range(len(prompts))]
         result.median_prompt_speedup = statistics.median(result.prompt_speedups)
-        result.identical = method.outputs == (method.reference or methods[0]).outputs if method.compare else None
+        if method.compare:
+            reference = (method.reference or methods[0]).outputs
+            result.identical = method.outputs == reference
+            result.identical_prompts = sum(a == b for a, b in zip(method.outputs, reference))
         result.peak_rss_mb = method.peak / 2 ** 20
         result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
         result.generated_tokens = sum(map(len, method.outputs))
@@ -308,7 +312,21 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from .precision import cpu_features
+
+    # Tables from CPUs with and without native bfloat16 differ most: say which this is.
+    native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
+              if flag in cpu_features()]
+    cpu += f" ({', '.join(native)})" if native else ""
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def identical_words(method: dict, prompts: int) -> str:
+    """yes, NO (with how many prompts' outputs are equal, where recorded), or - (not compared)."""
+    if method["identical"] is None:
+        return "-"
+    same = method.get("identical_prompts")
+    return "yes" if method["identical"] else "NO" if same is None else f"NO ({same}/{prompts})"
 
 
 def table(report: dict) -> str:
@@ -332,7 +350,7 @@ def table(report: dict) -> str:
                      fmt(m["tokens_per_forward"]),
                      fmt(m["draft_share"], "{:.0f}", 100), fmt(m["verify_share"], "{:.0f}", 100),
                      fmt(m["overhead_share"], "{:.0f}", 100), fmt(m["peak_rss_mb"], "{:.0f}"),
-                     {True: "yes", False: "NO", None: "-"}[m["identical"]])
+                     identical_words(m, report["prompts"]))
     console = Console(width=180, record=True, file=open(os.devnull, "w"))
     console.print(grid)
     return console.export_text()
