@@ -108,7 +108,7 @@ def test_the_confidence_floor_rises_on_evidence_only(right):
     after a few and stays there, but for the floor-free steps that keep learning."""
     policy = AdaptivePolicy(max_k=4)
     costs = Costs(v1=1.0, draft=0.25)
-    for width, seconds in ((2, 1.02), (5, 1.1)):
+    for width, seconds in ((2, 1.2), (5, 2.0)):  # each token of verify width costs 0.27 of a step
         costs.add(width, seconds, robust=False)
     policy.costs[1] = costs
     policy.model.observe([4] * 50, [4] * 50)  # the draft's confident tokens are kept
@@ -151,3 +151,19 @@ def test_short_lookup_matches_are_judged_apart_from_preferred_ones(pooled):
     plan = policy.plan(1, [4], [False], [4], has_model=True)  # a short match
     assert plan.use_model != pooled and plan.takes_lookup(0, True, False) == pooled
     assert policy.plan(1, [4], [True], [4], has_model=True).takes_lookup(0, True, True)  # a long one drafts
+
+
+@pytest.mark.parametrize("kept", [0.3, 0.0], ids=["worth its verify width", "negative control: never kept"])
+def test_the_floor_charges_a_token_only_its_verify_width(kept):
+    """The draft forward that made a token is spent when its confidence is seen: a token
+    kept 30% of the time is worth less than that forward and its verify width (0.5 + 0.27
+    of a step) but more than its verify width alone, so it is drafted. A token never kept is not."""
+    policy = AdaptivePolicy(max_k=4)
+    costs = Costs(v1=1.0, draft=0.5)
+    for width, seconds in ((2, 1.2), (5, 2.0)):
+        costs.add(width, seconds, robust=False)
+    for i in range(60):  # tokens of confidence 0.15, the first drafted position
+        policy.observe_confidence([1], [int(i % 10 < 10 * kept)], [[0.15]])
+    assert policy._conf_alpha(1) < policy._break_even(costs)
+    floor = policy._min_confidence(costs)
+    assert floor <= 0.15 if kept else floor > 0.15

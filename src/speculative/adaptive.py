@@ -25,10 +25,11 @@ step) wins when speculation cannot pay, as happens on CPUs once the batch is lar
 enough that a wider forward costs as much as the tokens it saves; a probe step is then
 still tried every `probe_every` steps so that the estimates can recover. Within a step a
 model row stops drafting at a token under the confidence floor: just above the most
-confident bin whose tokens were kept less often than break-even, (d + s) / v1, such
-tokens costing more than they are expected to save. Bins start optimistic, so the floor
-rises on evidence only; every `probe_every` model steps one drafts without it, to keep
-learning the bins under it.
+confident bin whose tokens were kept less often than s / v1. The draft forward that made
+the token is spent by the time its confidence is seen, so leaving it out saves only its
+verify width; how far drafting should go is the plan's width. Bins start optimistic, so
+the floor rises on evidence only; every `probe_every` model steps one drafts without it,
+to keep learning the bins under it.
 """
 
 from __future__ import annotations
@@ -298,9 +299,12 @@ class AdaptivePolicy:
         return (costs.draft + costs.slope) / costs.v1
 
     def _min_confidence(self, costs: Costs) -> float:
-        """Just above the most confident bin whose tokens are kept less often than break-even
-        (0 where none is): with the bins' optimistic prior, the floor rises on evidence only."""
-        break_even = self._break_even(costs)
+        """Just above the most confident bin whose tokens are kept less often than they cost
+        in verify width, s / v1 (0 where none is): with the bins' optimistic prior, the floor
+        rises on evidence only. (Charged (d + s) / v1 as well, the draft forward that had
+        already made the token, the floor stopped a third of the S4D draft's rows before
+        their first token: adaptive 0.90x plain decoding against K = 1's 1.07x.)"""
+        break_even = costs.slope / costs.v1
         failing = [b for b in range(BINS) if self._conf_alpha(b) < break_even]
         return (max(failing) + 1) / BINS if failing else 0.0
 
