@@ -20,13 +20,18 @@ from speculative.models import to_dtype
 from speculative.precision import first_divergence, resolve_dtype, tie_tolerance
 from helpers import perturbed, tiny
 
-BF16 = frozenset({"avx512_bf16", "avx512f"})
+BF16 = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})  # a Xeon with AMX
+VECTOR_BF16 = frozenset({"avx512_bf16", "avx512f"})  # a Zen 4 EPYC: native, without matrix units
 PLAIN = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize("asked, features, expected, words", [
-    ("auto", BF16, torch.bfloat16, "natively"),
+    ("auto", BF16, torch.bfloat16, "natively, in matrix units"),
+    ("auto", VECTOR_BF16, torch.float32, "no matrix units for it"),
+    ("auto", frozenset({"fp", "asimd", "bf16"}), torch.bfloat16, "in matrix units"),  # Arm with BF16
     ("auto", PLAIN, torch.float32, "no native bfloat16"),
+    ("bfloat16", VECTOR_BF16, torch.bfloat16, "expect decoding no faster than float32"),
+    ("bfloat16", BF16, torch.bfloat16, "bfloat16, as asked"),
     ("float32", BF16, torch.float32, "as asked"),
     ("bfloat16", PLAIN, torch.bfloat16, "slower than float32"),
     (torch.bfloat16, BF16, torch.bfloat16, "as asked"),
@@ -240,3 +245,9 @@ def test_auto_keeps_small_models_in_float32_even_where_bfloat16_is_fast():
     dtype, reason = resolve_dtype("auto", "cpu", BF16, weights=15_000_000)
     assert dtype == torch.float32 and "too small for 16 bits to pay" in reason
     assert resolve_dtype("auto", "cpu", BF16, weights=300_000_000)[0] == torch.bfloat16
+
+
+def test_bfloat16_as_asked_warns_only_where_it_decodes_slower():
+    assert "expect" not in resolve_dtype("bfloat16", "cpu", BF16)[1]
+    assert "expect decoding no faster" in resolve_dtype("bfloat16", "cpu", VECTOR_BF16)[1]
+    assert "no native bfloat16 arithmetic" in resolve_dtype("bfloat16", "cpu", PLAIN)[1]
