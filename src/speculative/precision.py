@@ -101,7 +101,8 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
         return torch.float32, (f"auto: float32, since a model of {weights / 1e6:.1f}M weights is too small for "
                                "16 bits to pay on a CPU")
     if cpu and DECODES_BF16 & _features(features):
-        return torch.bfloat16, f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively, in matrix units"
+        return torch.bfloat16, (f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively, "
+                                "in matrix units")
     if cpu and cpu_has_fast(torch.bfloat16, features):
         return torch.float32, (f"auto: float32, since this CPU ({machine}) multiplies bfloat16 natively but has no "
                                "matrix units for it (such as AMX), where decoding in bfloat16 is no faster")
