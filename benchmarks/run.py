@@ -9,7 +9,7 @@
     python benchmarks/run.py trees      # token trees against chains and plain decoding (a few minutes)
     python benchmarks/run.py heads-128     # default-head on the default section's workload (128 new tokens)
     python benchmarks/run.py heads-gemma   # Gemma 3 270M with its draft head: chat and grounded editing
-    python benchmarks/run.py heads-gemma-chat   # only its chat part (or heads-gemma-grounded)
+    python benchmarks/run.py heads-gemma-chat   # only its chat part (or heads-gemma-grounded; -float32: in float32)
     python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: block attention vs plain SDPA
     python benchmarks/run.py verify-cost-gemma  # Gemma's forward cost by width, float32 against bfloat16 (or -qwen)
     python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
@@ -273,7 +273,7 @@ def section_heads_gemma():
     section_heads_gemma_grounded()
 
 
-def section_heads_gemma_chat():
+def section_heads_gemma_chat(dtype="auto"):
     """The first user turns of held-out ShareGPT conversations (the head's training split):
     free-form text, where lookup finds little. Chains of K = 2 and 4 (past the second token
     the head's drafts are rarely kept) and a small tree, top-2 children, 5 nodes, depth 3:
@@ -284,7 +284,7 @@ def section_heads_gemma_chat():
     from speculative.loading import load_draft
     from speculative.train.sharegpt import sharegpt_data
 
-    target, head = load_model("gemma-3-270m"), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
+    target, head = load_model("gemma-3-270m", dtype=dtype), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
     _, chat = sharegpt_data(target.tokenizer, 1, 10)  # held-out prompts (and one training token)
     shapes = {"head K=2": (head, dict(num_draft_tokens=2, adaptive=False)),
               "head K=4": (head, dict(num_draft_tokens=4, adaptive=False)),
@@ -302,7 +302,7 @@ def section_heads_gemma_chat():
     report["heads"] = head_figures(target, {"head": head}, chat, 64, "gemma-3-270m-head")
     report["title"] = ("Gemma 3 270M with its draft head (gemma-3-270m-head), free-form chat (held-out ShareGPT "
                        f"first turns), greedy, 64 new tokens, {dtype_words(target)}")
-    save("heads-gemma-chat", report)
+    save("heads-gemma-chat" if dtype == "auto" else f"heads-gemma-chat-{dtype}", report)
 
 
 def section_heads_gemma_grounded(dtype="auto"):
@@ -460,6 +460,7 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "batch": section_batch, "heads": section_heads, "heads-128": section_heads_128,
             "heads-gemma": section_heads_gemma,
             "heads-gemma-chat": section_heads_gemma_chat, "heads-gemma-grounded": section_heads_gemma_grounded,
+            "heads-gemma-chat-float32": lambda: section_heads_gemma_chat("float32"),
             "heads-gemma-grounded-float32": lambda: section_heads_gemma_grounded("float32"),
             "qwen": lambda: qwen.section(save),
             "default-bfloat16": lambda: section_default("bfloat16"),
@@ -478,7 +479,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "prefill-gemma": section_prefill_gemma, "verify-cost-gemma": section_verify_cost,
             "verify-cost-qwen": lambda: section_verify_cost("qwen2.5-coder-1.5b"),
             "trees-models": lambda: trees.models_section(save, prompts)}
-TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-grounded",
+TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",
+          "heads-gemma-grounded",
           "heads-gemma-grounded-float32", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
           "qwen-transformers", "qwen-bfloat16", "trees-gemma", "trees-gemma-float32", "trees-models")
 

@@ -20,18 +20,13 @@ from speculative.models import to_dtype
 from speculative.precision import first_divergence, resolve_dtype, tie_tolerance
 from helpers import perturbed, tiny
 
-BF16 = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"})  # a Xeon with AMX
-VECTOR_BF16 = frozenset({"avx512_bf16", "avx512f"})  # a Zen 4 EPYC: native, without matrix units
+BF16 = frozenset({"avx512_bf16", "avx512f"})
 PLAIN = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize("asked, features, expected, words", [
-    ("auto", BF16, torch.bfloat16, "natively, in matrix units"),
-    ("auto", VECTOR_BF16, torch.float32, "no matrix units for it"),
-    ("auto", frozenset({"fp", "asimd", "bf16"}), torch.bfloat16, "in matrix units"),  # Arm with BF16
+    ("auto", BF16, torch.bfloat16, "natively"),
     ("auto", PLAIN, torch.float32, "no native bfloat16"),
-    ("bfloat16", VECTOR_BF16, torch.bfloat16, "expect decoding no faster than float32"),
-    ("bfloat16", BF16, torch.bfloat16, "bfloat16, as asked"),
     ("float32", BF16, torch.float32, "as asked"),
     ("bfloat16", PLAIN, torch.bfloat16, "slower than float32"),
     (torch.bfloat16, BF16, torch.bfloat16, "as asked"),
@@ -98,6 +93,22 @@ def test_packed_model_speculative_equals_its_own_reference(tmp_path):
     decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     assert decoder.generate(ids, 40) == autoregressive_generate(target, ids, 40)
     assert 0 < decoder.acceptance_rate() < 1
+
+
+def test_packed_bfloat16_linear_equals_linear_and_keeps_greedy_decoding():
+    """Packing changes where the weights lie, not the arithmetic: a bfloat16 model packed
+    decodes greedily what it decodes unpacked (a tiny model has no near-ties to flip)."""
+    if not packing_available(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bfloat16 kernels on this CPU")
+    layer = torch.nn.Linear(48, 20).to(torch.bfloat16)
+    x = torch.randn(3, 5, 48).to(torch.bfloat16)
+    torch.testing.assert_close(PackedLinear(layer)(x).float(), layer(x).float(), atol=2e-2, rtol=2e-2)
+    plain = to_dtype(tiny("decoder_only", seed=4), torch.bfloat16)
+    packed = to_dtype(tiny("decoder_only", seed=4), torch.bfloat16)
+    assert pack_linears(packed) == 2 * 7 + 1
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    ids = prompt(12, seed=3)
+    assert autoregressive_generate(packed, ids, 30) == autoregressive_generate(plain, ids, 30)
 
 
 def bf16_pair(model_type, seed=1):
@@ -245,9 +256,3 @@ def test_auto_keeps_small_models_in_float32_even_where_bfloat16_is_fast():
     dtype, reason = resolve_dtype("auto", "cpu", BF16, weights=15_000_000)
     assert dtype == torch.float32 and "too small for 16 bits to pay" in reason
     assert resolve_dtype("auto", "cpu", BF16, weights=300_000_000)[0] == torch.bfloat16
-
-
-def test_bfloat16_as_asked_warns_only_where_it_decodes_slower():
-    assert "expect" not in resolve_dtype("bfloat16", "cpu", BF16)[1]
-    assert "expect decoding no faster" in resolve_dtype("bfloat16", "cpu", VECTOR_BF16)[1]
-    assert "no native bfloat16 arithmetic" in resolve_dtype("bfloat16", "cpu", PLAIN)[1]

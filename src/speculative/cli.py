@@ -69,7 +69,7 @@ def add_precision(p) -> None:
     from .precision import CHOICES, DRAFT_CHOICES
 
     p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of the target; auto = "
-                   "bfloat16 on CPUs with bfloat16 matrix units (AMX, Arm BF16) and on GPUs, else float32 "
+                   "bfloat16 on CPUs that multiply it natively (AVX512-BF16, AMX) and on GPUs, else float32 "
                    "(default: %(default)s). Logits are compared in float32 whatever the weights are")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_CHOICES, help="execution dtype of a draft "
                    "model; int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only "

@@ -159,7 +159,8 @@ def _prepare(module: torch.nn.Module, name, pack: bool | None, quantize: bool) -
     if quantize:
         log.info("%s: %d linear layers in int8", name, quantize_linears(module, keep_weight=head))
     elif pack or pack is None and linear_weights(module) >= SMALL_MODEL and packing_available(dtype, device):
-        log.info("%s: %d float32 linear layers on oneDNN", name, pack_linears(module, keep_weight=head))
+        log.info("%s: %d %s linear layers on oneDNN", name, pack_linears(module, keep_weight=head),
+                 str(dtype).removeprefix("torch."))
 
 
 def load_draft(name_or_path, device="cpu", dtype="auto"):

@@ -3,13 +3,13 @@
 Weights and activations take the execution dtype; logits leave every model as float32, so
 verification, sampling and the acceptance ratio p/q never see rounded probabilities.
 
-On CPUs, bfloat16 pays for decoding where the CPU has matrix units for it (AMX on x86,
-the BF16 extension's matrix instructions on Arm): a forward then reads half the bytes and a
-verify forward of a few tokens costs about one single-token forward. AVX512-BF16 alone
-multiplies it natively, but only wide products (reading a prompt, training) gained on such
-a CPU; decoding did not, so `auto` keeps float32 there (figures at DECODES_BF16). Without
-native bfloat16 it is converted in software and float32 is faster still. On CUDA, bfloat16
-where the GPU supports it, else float16.
+On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
+the BF16 extension on Arm) and its linear layers are prepacked for oneDNN (kernels.py): a
+forward then reads half the bytes and a verify forward of a few tokens costs about one
+single-token forward. (Unpacked, on a Zen 4 EPYC with AVX512-BF16 and no AMX, bfloat16
+decoded Gemma 3 270M 15% slower than float32; packed, 1.5x faster.) Without native
+bfloat16 it is converted in software and float32 is faster, so `auto` chooses float32. On
+CUDA, bfloat16 where the GPU supports it, else float16.
 """
 
 from __future__ import annotations
@@ -40,20 +40,9 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
-# Flags of CPUs where decoding in bfloat16 is faster than in float32. A Xeon with AMX: Gemma
-# 3 270M's one-token forward 52 ms against 61 ms, Qwen2.5-Coder 1.5B's 184 against 249. A
-# Zen 4 EPYC with AVX512-BF16 and no AMX: Gemma decoded 84 ms a token against 73 in float32,
-# its 5-token verify cost 1.24 one-token forwards against 0.96, Qwen 1.5B 301 ms against 300.
-DECODES_BF16 = frozenset({"amx_bf16", "bf16"})
-
-
-def _features(features: frozenset[str] | None) -> frozenset[str]:
-    return cpu_features() if features is None else features
-
-
 def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
-    """Whether the CPU has native arithmetic for this 16-bit dtype (wide products gain from it)."""
-    features = _features(features)
+    """Whether the CPU has native arithmetic for this 16-bit dtype."""
+    features = cpu_features() if features is None else features
     wanted = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
               torch.float16: {"avx512_fp16", "amx_fp16", "fphp", "asimdhp"}}.get(dtype, set())
     return bool(wanted & features)
@@ -87,11 +76,8 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
         if cpu and chosen == torch.float16 and not cpu_has_fast(torch.float16, features):
             raise ValueError(f"float16 on this CPU ({machine}, no native float16 arithmetic such as AVX512-FP16) "
                              "would be emulated and slower than float32; use --dtype bfloat16 or float32")
-        note = ""
-        if cpu and chosen == torch.bfloat16 and not cpu_has_fast(chosen, features):
-            note = " (this CPU has no native bfloat16 arithmetic: expect it to be slower than float32)"
-        elif cpu and chosen == torch.bfloat16 and not DECODES_BF16 & _features(features):
-            note = " (this CPU has no bfloat16 matrix units such as AMX: expect decoding no faster than float32)"
+        note = "" if not cpu or chosen == torch.float32 or cpu_has_fast(chosen, features) else \
+            " (this CPU has no native bfloat16 arithmetic: expect it to be slower than float32)"
         return chosen, f"{name}, as asked{note}"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
@@ -100,12 +86,8 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
     if cpu and weights is not None and weights < SMALL_FOR_16_BITS:
         return torch.float32, (f"auto: float32, since a model of {weights / 1e6:.1f}M weights is too small for "
                                "16 bits to pay on a CPU")
-    if cpu and DECODES_BF16 & _features(features):
-        return torch.bfloat16, (f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively, "
-                                "in matrix units")
     if cpu and cpu_has_fast(torch.bfloat16, features):
-        return torch.float32, (f"auto: float32, since this CPU ({machine}) multiplies bfloat16 natively but has no "
-                               "matrix units for it (such as AMX), where decoding in bfloat16 is no faster")
+        return torch.bfloat16, f"auto: bfloat16, since this CPU ({machine}) multiplies bfloat16 natively"
     if cpu:
         return torch.float32, (f"auto: float32, since this CPU ({machine}) has no native bfloat16 arithmetic "
                                "(AVX512-BF16, AMX or Arm BF16)")
