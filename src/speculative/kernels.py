@@ -16,9 +16,9 @@ results up to float rounding; widths 1 and K+1 then run the same library). bfloa
 are packed too where oneDNN runs bfloat16 (the CPU multiplies it natively): unpacked, each
 call reorders the weights again. On a Zen 4 EPYC (AVX512-BF16, no AMX) Gemma 3 270M's
 output layer took 16 ms packed against 26 ms unpacked for one row (float32 packed: 25-30),
-with the same results. The packed
-weight is in oneDNN's private layout: a packed model is for inference, not for saving or
-training (load it unpacked for that: `load_model(..., pack=False)`).
+with the same results. The packed weight is in oneDNN's private layout: a packed model is
+for inference, not for saving or training (load it unpacked for that:
+`load_model(..., pack=False)`).
 
 `quantize_linears` makes a draft cheap instead: int8 weights (per output channel) and
 int8 activations quantized on the fly (fbgemm's dynamic quantized linear). A forward
