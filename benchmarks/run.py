@@ -526,13 +526,18 @@ def render() -> str:
     path = RESULTS / "divergence.json"
     if path.is_file():
         parts.append("### Greedy divergence: speculative against autoregressive output of the same model and dtype\n")
-        parts.append("| model, dtype | prompts | tokens | outputs that differ | first differences at | all near-ties |")
-        parts.append("| --- | --- | --- | --- | --- | --- |")
-        for name, row in json.loads(path.read_text()).items():
-            if isinstance(row, dict):
-                where = ", ".join(str(d["position"]) for d in row["divergences"]) or "-"
-                parts.append(f"| {name} | {row['prompts']} | {row['tokens']} | {row['diverged']} | {where} | "
-                             f"{'yes' if row['all_near_ties'] else 'NO'} |")
+        machines = json.loads(path.read_text())["machines"]
+        for number, (name, entry) in enumerate(machines.items(), 1):
+            parts.append(f"({number}) {name}, {entry['date']}.\n")
+        parts.append("| machine | model, dtype | prompts | tokens | outputs that differ | first differences at | "
+                     "all near-ties |")
+        parts.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for number, entry in enumerate(machines.values(), 1):
+            for name, row in entry.items():
+                if isinstance(row, dict):
+                    where = ", ".join(str(d["position"]) for d in row["divergences"]) or "-"
+                    parts.append(f"| ({number}) | {name} | {row['prompts']} | {row['tokens']} | {row['diverged']} | "
+                                 f"{where} | {'yes' if row['all_near_ties'] else 'NO'} |")
         parts.append("")
     path = RESULTS / "batch.json"
     if path.is_file():
