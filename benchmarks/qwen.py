@@ -145,7 +145,6 @@ def divergence_section(save, prompts, log=print) -> None:
     """Divergence in bfloat16 and float32: the shipped pair (20 held-out functions, 64
     tokens), Gemma 3 270M with n-gram drafts (the grounded prompts), and the Qwen pair
     (the benchmark's 5 prompts). One entry per machine: kernels, so ties, differ by CPU."""
-    from speculative.bench import machine
     from speculative.train import corpus
 
     report = {"date": time.strftime("%Y-%m-%d")}
@@ -162,7 +161,4 @@ def divergence_section(save, prompts, log=print) -> None:
         del target, gemma, qwen
         gc.collect()
         log(", ".join(f"{name}: {r['diverged']}/{r['prompts']}" for name, r in report.items() if name != "date"))
-    path = HERE / "results" / "divergence.json"
-    machines = json.loads(path.read_text()).get("machines", {}) if path.is_file() else {}
-    machines[machine()] = report
-    save("divergence", {"machines": machines})
+    save("divergence", report)  # this machine's entry (`save_per_machine`)

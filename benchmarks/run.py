@@ -60,6 +60,21 @@ def save(name, report):
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
+def save_per_machine(name, entry, **shared):
+    """Save `entry` as this machine's, beside other machines' entries in the same file (for
+    figures that depend on the CPU's kernels: costs by width, where ties fall)."""
+    path = RESULTS / f"{name}.json"
+    machines = json.loads(path.read_text()).get("machines", {}) if path.is_file() else {}
+    machines[machine()] = entry
+    save(name, {**shared, "machines": machines})
+
+
+def machine_legend(machines: dict, details=lambda entry: "") -> list[str]:
+    """'(n) machine, date...' lines naming the machines of a per-machine table."""
+    return [f"({number}) {name}, {entry['date']}{details(entry)}.\n"
+            for number, (name, entry) in enumerate(machines.items(), 1)]
+
+
 def section_default(dtype="auto"):
     target, tokenizer = load_model("default", dtype=dtype), load_tokenizer("default")
     draft = load_model("default-draft", dtype=dtype)
@@ -159,8 +174,7 @@ def section_verify_cost(preset="gemma-3-270m", repeats=7):
 
     name = "gemma" if preset.startswith("gemma") else "qwen"
     # One entry per machine: whether a wide forward is cheap depends on the CPU's matrix units.
-    report = {"title": f"{preset}: a forward's cost by width after a prompt, and reading the prompts",
-              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "widths": list(WIDTHS), "dtypes": {}}
+    report = {"date": time.strftime("%Y-%m-%d"), "dtypes": {}}
     for dtype in ("float32", "bfloat16"):
         target = load_model(preset, dtype=dtype)
         tokenizer = target.tokenizer
@@ -190,12 +204,8 @@ def section_verify_cost(preset="gemma-3-270m", repeats=7):
         report["dtypes"][dtype] = {"ms": ms, "reading_seconds": min(reading)}
         print(dtype, {w: f"{t:.1f} ms ({t / ms[1]:.2f}x)" for w, t in ms.items()}, f"reading {min(reading):.2f} s")
         del target, state
-    path = RESULTS / f"verify-cost-{name}.json"
-    machines = json.loads(path.read_text()).get("machines", {}) if path.is_file() else {}
-    machines[report.pop("machine")] = {"date": report.pop("date"), "dtypes": report.pop("dtypes"),
-                                       "context_tokens": report.pop("context_tokens"),
-                                       "prompts": report.pop("prompts")}
-    save(f"verify-cost-{name}", {**report, "machines": machines})
+    save_per_machine(f"verify-cost-{name}", report, widths=list(WIDTHS),
+                     title=f"{preset}: a forward's cost by width after a prompt, and reading the prompts")
 
 
 def verify_cost_words(report: dict) -> list[str]:
@@ -203,8 +213,7 @@ def verify_cost_words(report: dict) -> list[str]:
     columns = [(m, dtype, figures) for m, entry in report["machines"].items()
                for dtype, figures in entry["dtypes"].items()]
     lines = [f"### {report['title']}\n"]
-    for number, (m, entry) in enumerate(report["machines"].items(), 1):
-        lines.append(f"({number}) {m}, {entry['date']}; context {entry['context_tokens']} tokens, medians.\n")
+    lines += machine_legend(report["machines"], lambda entry: f"; context {entry['context_tokens']} tokens, medians")
     numbers = {m: n for n, m in enumerate(report["machines"], 1)}
     lines += ["| width | " + " | ".join(f"({numbers[m]}) {dtype}" for m, dtype, _ in columns) + " |",
               "| --- |" + " --- |" * len(columns)]
@@ -467,7 +476,7 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "qwen-bfloat16": lambda: save("qwen-bfloat16", qwen.part_bfloat16()),
             "qwen-transformers": lambda: save("qwen-transformers", qwen.part_transformers()),
             "gemma-bfloat16": lambda: section_gemma("bfloat16"),
-            "divergence": lambda: qwen.divergence_section(save, prompts),
+            "divergence": lambda: qwen.divergence_section(save_per_machine, prompts),
             "engine": section_engine, "engine-smoke": lambda: section_engine(smoke=True),
             "engine-batch1": section_engine_batch_one,
             "serve": section_serve, "serve-smoke": lambda: section_serve(smoke=True),
@@ -527,8 +536,7 @@ def render() -> str:
     if path.is_file():
         parts.append("### Greedy divergence: speculative against autoregressive output of the same model and dtype\n")
         machines = json.loads(path.read_text())["machines"]
-        for number, (name, entry) in enumerate(machines.items(), 1):
-            parts.append(f"({number}) {name}, {entry['date']}.\n")
+        parts += machine_legend(machines)
         parts.append("| machine | model, dtype | prompts | tokens | outputs that differ | first differences at | "
                      "all near-ties |")
         parts.append("| --- | --- | --- | --- | --- | --- | --- |")
