@@ -13,6 +13,7 @@
     python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: block attention vs plain SDPA
     python benchmarks/run.py verify-cost-gemma  # Gemma's forward cost by width, float32 against bfloat16 (or -qwen)
     python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
+    python benchmarks/run.py trees-tau  # model trees' tau against chains of the same width, 40 prompts, untimed
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -242,7 +243,8 @@ def section_batch():
 
 def section_heads():
     """The shipped verifier with its draft head (default-head), against the distilled draft at the
-    same K, with and without prompt lookup in front; c, alpha per position and tau apart."""
+    same K (4 and 8, adaptive up to 8, as in `default`), with and without prompt lookup in
+    front; c, alpha per position and tau apart."""
     from speculative.loading import load_draft
 
     target, tokenizer = load_model("default"), load_tokenizer("default")
@@ -251,7 +253,7 @@ def section_heads():
     draft = load_model("default-draft")
     ids = prompts("code_completion.jsonl", tokenizer, max_tokens=512 - 64 - 9)
     drafts = {"head": head, "head+lookup": head, "head float32": float_head, "draft": draft, "draft+lookup": draft}
-    report = run_bench(target, drafts, ids, max_new=64, runs=3, ks=(4,), eos=None, ngram=False, peers=False,
+    report = run_bench(target, drafts, ids, max_new=64, runs=3, ks=(4, 8), eos=None, ngram=False, peers=False,
                        lookup=("head+lookup", "draft+lookup"))
     report["heads"] = head_figures(target, {"head": head, "head float32": float_head, "draft": draft}, ids, 64,
                                    "default-head")
@@ -487,7 +489,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "trees-gemma-float32": lambda: trees.gemma_section(save, prompts, "float32"),
             "prefill-gemma": section_prefill_gemma, "verify-cost-gemma": section_verify_cost,
             "verify-cost-qwen": lambda: section_verify_cost("qwen2.5-coder-1.5b"),
-            "trees-models": lambda: trees.models_section(save, prompts)}
+            "trees-models": lambda: trees.models_section(save, prompts),
+            "trees-tau": lambda: trees.tau_section(save)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",
           "heads-gemma-grounded",
           "heads-gemma-grounded-float32", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
@@ -580,6 +583,9 @@ def render() -> str:
     path = RESULTS / "trees.json"
     if path.is_file():
         parts += render_trees(json.loads(path.read_text()))
+    path = RESULTS / "trees-tau.json"
+    if path.is_file():
+        parts += trees.render_tau(json.loads(path.read_text()))
     path = RESULTS / "engine.json"
     if path.is_file():
         parts += render_engine(json.loads(path.read_text()))

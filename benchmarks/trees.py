@@ -21,8 +21,14 @@ third, `trees-gemma`, on Gemma 3 270M:
   and behind lookup trees, each as a chain of K = 4, a chain of the trees' verify width
   (K = MODEL_NODES), a tree of MODEL_NODES nodes (depth MODEL_DEPTH, top-MODEL_TOP_K), and
   trees whose node budget (up to MODEL_NODES) the adaptive policy plans each step.
+- `trees-tau`: the issue's tau goal on more prompts than `trees-models` times: the
+  distilled draft's trees (top-MODEL_TOP_K) against its chains of the same verify width, on
+  the first TAU_PROMPTS held-out function prompts (the first 10 are `trees-models`'). tau is
+  deterministic under greedy decoding, so nothing is timed; the ratio's interval comes from
+  resampling the prompts.
 """
 
+import random
 import statistics
 import time
 
@@ -35,6 +41,8 @@ MAX_NEW = 96
 NODES, DEPTH, TOP_K = 16, 8, 3
 GEMMA_NODES, GEMMA_DEPTH = 24, 10
 MODEL_NODES, MODEL_DEPTH, MODEL_TOP_K, MODEL_NEW = 16, 6, 4, 64
+# trees-tau: prompts, and (verify width, tree depth) pairs; 16 nodes at depth 6 is trees-models' tree.
+TAU_PROMPTS, TAU_WIDTHS = 40, ((8, 6), (16, MODEL_DEPTH), (24, 8), (32, 8))
 
 
 def engine_pass(engine, prompts):
@@ -137,4 +145,64 @@ def models_section(save, prompts) -> dict:
                        f"{MODEL_NEW} new tokens): trees of {MODEL_NODES} nodes (depth {MODEL_DEPTH}, "
                        f"top-{MODEL_TOP_K}) against chains of K = 4 and of the same verify width")
     save("trees-models", report)
+    return report
+
+
+def render_tau(report: dict) -> list[str]:
+    parts = [f"### {report['title']}\n", "| verify width | tree depth | chain tau | tree tau | ratio | 90% interval "
+             "(prompts resampled) | ratio on the first 10 | identical |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for w in report["widths"]:
+        low, high = w["interval_90"]
+        parts.append(f"| {w['width']} | {w['depth']} | {w['chain_tau']:.2f} | {w['tree_tau']:.2f} | "
+                     f"**{w['ratio']:.2f}x** | {low:.2f}-{high:.2f}x | {w['ratio_first_10']:.2f}x | "
+                     f"{'yes' if w['identical'] else 'NO'} |")
+    return parts + [""]
+
+
+def tau_section(save) -> dict:
+    """tau (tokens per target forward) of the distilled draft's trees against its chains of
+    the same verify width, every output checked against plain decoding; the ratio pools
+    tokens and forwards over the prompts, its 90% interval from 2,000 resamplings of them."""
+    from speculative import SpeculativeDecoder, autoregressive_generate
+    from speculative.train.corpus import function_prompts, split_files
+
+    target, tokenizer = load_model("default"), load_tokenizer("default")
+    draft = load_draft("default-draft")
+    keep = 512 - MODEL_NEW - MODEL_NODES * MODEL_TOP_K  # as trees-models cuts its prompts
+    ids = [tokenizer.encode(text)[-keep:] for text in function_prompts(split_files()[1], TAU_PROMPTS)]
+    expected = [autoregressive_generate(target, p, MODEL_NEW) for p in ids]
+
+    def counts(config: SpeculativeConfig) -> tuple[list[tuple[int, int]], bool]:
+        """(tokens, target forwards) per prompt, and whether every output matched."""
+        decoder, rows, identical = SpeculativeDecoder(target, draft, config), [], True
+        for p, want in zip(ids, expected):
+            decoder.reset_stats()
+            identical &= decoder.generate(p, MODEL_NEW) == want
+            rows.append((decoder.stats.generated, decoder.stats.target_forwards))
+        return rows, identical
+
+    def tau(rows, picks) -> float:
+        return sum(rows[i][0] for i in picks) / sum(rows[i][1] for i in picks)
+
+    draw = random.Random(0)
+    resamples = [[draw.randrange(len(ids)) for _ in ids] for _ in range(2000)]
+    widths = []
+    for width, depth in TAU_WIDTHS:
+        chain, chain_same = counts(SpeculativeConfig(num_draft_tokens=width, adaptive=False))
+        tree, tree_same = counts(SpeculativeConfig(num_draft_tokens=depth, tree_top_k=MODEL_TOP_K,
+                                                   tree_max_tokens=width, adaptive=False))
+        every, first = range(len(ids)), range(10)
+        ratios = sorted(tau(tree, picks) / tau(chain, picks) for picks in resamples)
+        row = {"width": width, "depth": depth, "chain_tau": round(tau(chain, every), 3),
+               "tree_tau": round(tau(tree, every), 3), "ratio": round(tau(tree, every) / tau(chain, every), 3),
+               "interval_90": [round(ratios[100], 3), round(ratios[1899], 3)],
+               "ratio_first_10": round(tau(tree, first) / tau(chain, first), 3), "identical": chain_same and tree_same}
+        widths.append(row)
+        print(f"  width {width}: chain tau {row['chain_tau']}, tree tau {row['tree_tau']}, ratio {row['ratio']} "
+              f"(90%: {row['interval_90']}), first 10 prompts {row['ratio_first_10']}", flush=True)
+    report = {"prompts": len(ids), "max_new_tokens": MODEL_NEW, "top_k": MODEL_TOP_K, "widths": widths,
+              "title": f"Model trees' tau against chains of the same verify width: the shipped pair (distilled "
+                       f"draft, top-{MODEL_TOP_K} EAGLE-2 trees), greedy, {MODEL_NEW} new tokens, the first "
+                       f"{len(ids)} held-out function prompts"}
+    save("trees-tau", report)
     return report

@@ -3,6 +3,7 @@ target, and a short training run that makes a head draft better than an untraine
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -306,6 +307,24 @@ def test_train_head_refuses_bad_input(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_data_tokens_caps_the_training_stream(tmp_path, capsys):
+    """--data-tokens bounds what is read for training, not the held-out prompts (every 20th
+    record, read to the end of the file)."""
+    from speculative import load_tokenizer
+    from speculative.cli import main
+    from speculative.train.head_command import read_data
+
+    tokenizer = load_tokenizer("default")
+    records = [{"text": f"def f{i}(x):\n    return x * {i}\n"} for i in range(1, 61)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    full, prompts = read_data(str(tmp_path / "data.jsonl"), tokenizer, eval_prompts=5)
+    capped, capped_prompts = read_data(str(tmp_path / "data.jsonl"), tokenizer, eval_prompts=5, max_tokens=50)
+    assert len(full) > 200 and len(capped) == 50 and capped.tolist() == full[:50].tolist()
+    assert len(prompts) == 3 and capped_prompts == prompts  # records 20, 40 and 60
+    assert main(["train-head", "--data-tokens", "0"]) == 2
+    assert "--data-tokens" in capsys.readouterr().err
+
+
 def test_training_refuses_a_packed_target(tmp_path):
     """Packed (inference-only) linear layers would pass the head no gradient through the
     target's output layer: the loss would never fall. Training says so instead."""
@@ -430,7 +449,6 @@ def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
         enumerate(starts)))
     run_local(tmp_path / "in.jsonl", tmp_path / "out.jsonl",
               ModelSpec(draft=f"{tmp_path / 'head'}+ngram", max_batch_size=2), show_progress=False)
-    import json
 
     out = {row["id"]: row for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     for i, text in enumerate(starts):
