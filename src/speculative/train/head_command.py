@@ -25,8 +25,8 @@ from ..loading import HEADS
 from .sharegpt import HELD_OUT_EVERY, sharegpt_data
 
 PROMPT_TOKENS = 64
-# Training tokens read from the data at most, by default: more than an hour's run consumes on a
-# CPU without AMX (Gemma 3 270M's head trains on about 150 tokens/s on a Zen 4; 900 on an AMX Xeon).
+# Training tokens read from the data at most, by default (--data-tokens): more than an hour's run
+# consumes on 2 cores without AMX (Gemma 3 270M's head: about 150 tokens/s on a Zen 4, 1,000 with AMX).
 MAX_TOKENS = 3_000_000
 
 
