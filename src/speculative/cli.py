@@ -66,12 +66,16 @@ def make_draft(name: str, device: str, args):
 
 def add_precision(p) -> None:
     """--dtype, --draft-dtype and the reduced draft vocabulary, shared by the commands that run models."""
-    from .precision import CHOICES, DRAFT_CHOICES
+    from .precision import CHOICES
 
-    p.add_argument("--dtype", default="auto", choices=CHOICES, help="execution dtype of the target; auto = "
-                   "bfloat16 on CPUs that multiply it natively (AVX512-BF16, AMX) and on GPUs, else float32 "
-                   "(default: %(default)s). Logits are compared in float32 whatever the weights are")
-    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_CHOICES, help="execution dtype of a draft "
+    p.add_argument("--dtype", default="auto", choices=CHOICES, help="precision of the target. int8: int8 "
+                   "weights, each token's activations in int8, float32 else; a model of its own, whose output "
+                   "speculation reproduces exactly (its forward gives each token the same bits at any width), "
+                   "with about half of bfloat16's bytes to read per token. auto = int8 for models of 100M weights "
+                   "or more on CPUs with VNNI and no AMX (Zen 4), else bfloat16 on CPUs that multiply it natively "
+                   "(AVX512-BF16, AMX) and on GPUs, else float32; --verbose says what it chose and why (default: "
+                   "%(default)s). Logits are compared in float32 whatever the weights are")
+    p.add_argument("--draft-dtype", default="auto", choices=CHOICES, help="execution dtype of a draft "
                    "model; int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only "
                    "its proposals, never the output. auto = int8 on CPUs that run it, for draft heads and for "
                    "drafts of 4M weights or more, else as --dtype (default: %(default)s)")

@@ -29,7 +29,10 @@ only the target decides what is kept. Not for targets, whose output it would cha
 
 from __future__ import annotations
 
+import functools
+import platform
 import warnings
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -86,25 +89,120 @@ def pack_linears(model: nn.Module, keep_weight: nn.Module | None = None) -> int:
 
 
 class Int8Linear(nn.Module):
-    """y ~ x W^T + b with W in int8 per output channel, x quantized per call (fbgemm)."""
+    """y ~ x W^T + b with W in int8 per output channel and each row of x quantized to int8
+    on its own (fbgemm's dynamic quantized linear), so that a row's result never depends
+    on the other rows of the call: width-invariant, bit for bit.
 
-    def __init__(self, linear: nn.Module, weight: torch.Tensor | None = None):
+    fbgemm quantizes the whole input with one scale and zero point, taken from the input's
+    minimum and maximum, so on its own a token's result would depend on the tokens verified
+    beside it. Each row is divided by its absolute maximum (it then spans at most [-1, 1]),
+    two constant columns +1 and -1 with zero weights are appended (every call's input then
+    spans exactly [-1, 1], so every call gets the same scale and zero point), and each output
+    row is multiplied back by its maximum: per-token activation scales with per-channel
+    weight scales (the W8A8 scheme of SmoothQuant), at fbgemm's speed. The int32 sums are
+    exact and the rest is element-wise, so the rows of a call of any width get the bits
+    they get alone (tests/test_int8.py). Multiplying and adding are separate operations, as
+    a fused multiply-add could round the vectorized elements and the remainder differently.
+    """
+
+    def __init__(self, linear: nn.Module):
         super().__init__()
-        weight = (linear.weight if weight is None else weight).detach().float()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        scale = (weight.abs().amax(1) / 127).clamp(min=1e-12).double()
-        bias = getattr(linear, "bias", None)
-        with warnings.catch_warnings():  # quantized tensors are deprecated in favour of torchao
-            warnings.simplefilter("ignore")
-            quantized = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
-                                                   torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+        self._pack(*quantize_rows(linear.weight.detach()), getattr(linear, "bias", None))
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """A layer from int8 weights (N, K) and their per-channel scales (N,) (a cache on disk)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._pack(qweight, scale, bias)
+        return layer
+
+    def _pack(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = qweight.shape
+        # The constant columns +1 and -1, then zeros to a multiple of 8 columns (fbgemm
+        # runs some shapes with a ragged K several times slower), all with zero weights.
+        extra = -(-(self.in_features + 2) // 8) * 8 - self.in_features
+        self.packs = []  # by blocks of PACK_ROWS output rows: fbgemm packs large matrices slowly
+        for start in range(0, self.out_features, PACK_ROWS):
+            rows = qweight[start:start + PACK_ROWS].to(torch.int8)
+            ends = torch.zeros(len(rows), extra, dtype=torch.int8)
+            with warnings.catch_warnings():  # quantized tensors are deprecated in favour of torchao
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(
+                    torch.cat([rows.cpu(), ends], 1), scale[start:start + PACK_ROWS].double().cpu(),
+                    torch.zeros(len(rows), dtype=torch.long), 0)
+                self.packs.append(torch.ops.quantized.linear_prepack(quantized, None))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
+        self.register_buffer("ends", torch.tensor([1.0, -1.0] + [0.0] * (extra - 2)), persistent=False)
+        self.reduce_range = reduce_range()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+        x = x if x.dtype == torch.float32 else x.float()
+        peak = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)  # (..., 1)
+        spanned = torch.cat([x / peak, self.ends.expand(*x.shape[:-1], -1)], -1)  # (..., K + extra), in [-1, 1]
+        parts = [torch.ops.quantized.linear_dynamic(spanned, packed, self.reduce_range) for packed in self.packs]
+        y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).mul_(peak)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 weights (N, K), per-channel scales (N,)), as packed (to save, or to take rows from)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parts = [torch.ops.quantized.linear_unpack(packed)[0] for packed in self.packs]
+        return (torch.cat([part.int_repr()[:, :self.in_features] for part in parts]),
+                torch.cat([part.q_per_channel_scales().float() for part in parts]))
+
+    def select_rows(self, token_ids: torch.Tensor) -> "Int8Linear":
+        """The layer over output rows `token_ids` only (a reduced draft vocabulary), as quantized."""
+        qweight, scale = self.int8_weights()
+        ids = token_ids.cpu()
+        return Int8Linear.from_int8(qweight[ids], scale[ids], None if self.bias is None else self.bias[ids])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table in int8 with a scale per row (a quarter of float32's bytes): the
+    input embeddings of an int8 model, whose output layer holds its own int8 copy."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None):
+        super().__init__()
+        if scale is None:  # from float rows
+            weight, scale = quantize_rows(weight.detach())
+        self.register_buffer("qweight", weight.to(torch.int8))
+        self.register_buffer("scale", scale.float())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.qweight[tokens].float().mul_(self.scale[tokens, None])
+
+
+def quantize_rows(weight: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, a float32 scale per row) for a float matrix: symmetric, the row's absolute
+    maximum at 127. By chunks of rows, so that a large matrix (an output layer of 150k
+    rows) needs no float temporaries of its own size."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], chunk):
+        rows = weight[start:start + chunk].to(torch.float32, copy=True)  # divided in place below
+        step = (rows.abs().amax(1) / 127).clamp_(min=1e-12)
+        qweight[start:start + chunk] = rows.div_(step[:, None]).round_().clamp_(-127, 127)
+        scale[start:start + chunk] = step
+    return qweight, scale
+
+
+# Output rows per fbgemm matrix: packing a 150k-row output layer whole took 3.8 s, in
+# blocks of 19k rows 1.4 s; the blocks' outputs are concatenated.
+PACK_ROWS = 32768
+
+
+@functools.lru_cache(maxsize=1)
+def reduce_range() -> bool:
+    """Whether int8 activations keep 7 bits: on x86 CPUs without VNNI, whose multiply-add of
+    8-bit pairs saturates at 16 bits (fbgemm's own advice); with VNNI all 8 bits are exact."""
+    from .precision import cpu_features
+
+    return platform.machine().lower() in ("x86_64", "amd64") and not {"avx512_vnni", "avx_vnni"} & cpu_features()
 
 
 def int8_available(device) -> bool:
@@ -118,15 +216,18 @@ def int8_available(device) -> bool:
         return False
 
 
-def quantize_linears(model: nn.Module, keep_weight: nn.Module | None = None) -> int:
-    """Replace the float nn.Linear layers of `model` by Int8Linear; returns how many.
-    The layer `keep_weight` (the output layer) keeps its float weight as well."""
+def quantize_linears(model: nn.Module) -> int:
+    """Replace the float linear layers of `model` by Int8Linear (nn.Linear, and transformers'
+    Conv1D, which keeps its weight transposed); returns how many. (A reduced draft
+    vocabulary takes its rows from the int8 output layer: `select_rows`.)"""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                layer = Int8Linear(child)
-                layer.weight = child.weight if child is keep_weight else None
-                setattr(parent, name, layer)
-                count += 1
+                setattr(parent, name, Int8Linear(child))
+            elif type(child).__name__ == "Conv1D" and getattr(child, "weight", None) is not None:
+                setattr(parent, name, Int8Linear(SimpleNamespace(weight=child.weight.t(), bias=child.bias)))
+            else:
+                continue
+            count += 1
     return count

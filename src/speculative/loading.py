@@ -24,10 +24,12 @@ import torch
 
 from . import presets
 from .inputs import check_device
-from .kernels import int8_available, pack_linears, packing_available, quantize_linears
-from .models import MODEL_TYPES, load_builtin
+from .kernels import int8_available, pack_linears, packing_available
+from .models import MODEL_TYPES, DecoderOnlyLM, load_builtin
 from .models.head import HEAD_TYPE, load_head
-from .precision import INT8, resolve_dtype
+from .models.int8 import quantize_model
+from .models.native import generation_eos, load_native, native_config
+from .precision import INT8, resolve_precision
 from .text import TextTokenizer
 
 log = logging.getLogger("speculative")
@@ -73,47 +75,44 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     """A model that serves as target or draft, with its tokenizer attached when one is found.
 
     `dtype`: "auto" (what this device runs fast; the choice and its reason are logged at
-    INFO level on the "speculative" logger), "float32", "bfloat16", "float16", a torch
-    dtype, or "int8" (for drafts on CPUs: int8 linear layers, faster and less exact,
-    which changes proposals, never the output). `pack`: oneDNN linear layers for float32
-    on CPUs (None: wherever available); a packed model is for inference only, so pass
-    False to save or export it."""
+    INFO level on the "speculative" logger), "int8" (int8 layers, float32 for the rest:
+    `models/int8.py`), "float32", "bfloat16", "float16" or a torch dtype. Llama and Qwen2
+    checkpoints run on the built-in decoder (`models/native.py`), other transformers
+    models through transformers. `pack`: oneDNN linear layers for float32 and bfloat16 on
+    CPUs, and fused projections in the built-in decoder (None: wherever available); a
+    packed model is for inference only, so pass False to save or export it."""
     device = check_device(device)
-    quantize = dtype == INT8
-    if not quantize:
-        resolve_dtype(dtype, device)  # a bad dtype is refused before anything loads
-    if quantize:
-        if not int8_available(device):
-            raise ValueError(f"int8 drafts need PyTorch's fbgemm engine on a CPU; not available on {device}: "
-                             "use --draft-dtype auto, float32 or bfloat16")
-        torch_dtype, reason = torch.float32, "int8 linear layers (a draft: proposals change, output never)"
-        pack = False
+    resolve_precision(dtype if dtype != "auto" else "float32", device, int8_runs=True)  # a bad name, before loading
     path = resolve(name_or_path)
-    if path.is_dir():
-        config = _checked_directory(path)
-    if not quantize:
-        weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
-        torch_dtype, reason = resolve_dtype(dtype, device, weights=weights)
+    config = _checked_directory(path) if path.is_dir() else {}
+    weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
+    int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))
     log.info("%s: %s", name_or_path, reason)
+    prepare = lambda m: _prepare(m, name_or_path, pack, int8)  # noqa: E731
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
-        model = _load_gguf(path, device, torch_dtype, lambda m: _prepare(m, name_or_path, pack, quantize))
-    elif config.get("model_type") == HEAD_TYPE:  # drafts from a target's features: bound to it by the engine
+        return _load_gguf(path, device, torch_dtype, prepare)
+    if config.get("model_type") == HEAD_TYPE:  # drafts from a target's features: bound to it by the engine
         model = load_head(path, device, torch_dtype)
-        if quantize:
+        if int8:
             log.info("%s: %d linear layers in int8", name_or_path, model.quantize())
-    else:
-        if config.get("model_type") in MODEL_TYPES:
-            model = _load_builtin(path, config, device, torch_dtype)
-            _prepare(model, name_or_path, pack, quantize)
-            tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent)
-                                   if (p / "tokenizer.json").is_file()), None)
-            model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
-        else:
-            prepare = lambda m: _prepare(m, name_or_path, pack, quantize)  # noqa: E731
-            model = _load_transformers(path, device, torch_dtype, prepare)
-    return model
+        return model
+    if config.get("model_type") in MODEL_TYPES:
+        model = _load_builtin(path, config, device, torch_dtype)
+        prepare(model)
+        tokenizer_path = next((p / "tokenizer.json" for p in (path, path.parent)
+                               if (p / "tokenizer.json").is_file()), None)
+        model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
+        return model
+    native = native_config(config)
+    if native is not None:
+        model = load_native(path, native, device, torch_dtype, int8)
+        if not int8:
+            prepare(model)
+        model.tokenizer = _hf_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
+        return model
+    return _load_transformers(path, device, torch_dtype, prepare)
 
 
 def _checked_directory(path: Path) -> dict:
@@ -151,14 +150,18 @@ def linear_weights(module: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if type(m) is torch.nn.Linear)
 
 
-def _prepare(module: torch.nn.Module, name, pack: bool | None, quantize: bool) -> None:
-    """int8 or oneDNN linear layers, before any wrapper sees the layers (the output layer
-    keeps its float weight: a reduced draft vocabulary takes rows from it)."""
+def _prepare(module: torch.nn.Module, name, pack: bool | None, int8: bool) -> None:
+    """For inference: int8 layers, or fused projections (built-in decoder) and oneDNN linear
+    layers, before any wrapper sees the layers (the output layer keeps its float weight: a
+    reduced draft vocabulary takes rows from it)."""
     dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
-    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else module.lm_head
-    if quantize:
-        log.info("%s: %d linear layers in int8", name, quantize_linears(module, keep_weight=head))
-    elif pack or pack is None and linear_weights(module) >= SMALL_MODEL and packing_available(dtype, device):
+    if int8:
+        log.info("%s: %d layers in int8", name, quantize_model(module))
+        return
+    if pack is not False and isinstance(module, DecoderOnlyLM):
+        module.fuse()
+    if pack or pack is None and linear_weights(module) >= SMALL_MODEL and packing_available(dtype, device):
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else module.lm_head
         log.info("%s: %d %s linear layers on oneDNN", name, pack_linears(module, keep_weight=head),
                  str(dtype).removeprefix("torch."))
 
@@ -261,7 +264,8 @@ def _builtin_tokenizer(path: Path) -> TextTokenizer:
     return TextTokenizer(backend, name=str(path))
 
 
-def _hf_tokenizer(path: Path, model=None) -> TextTokenizer:
+def _hf_tokenizer(path: Path, eos: list[int] | None = None) -> TextTokenizer:
+    """A transformers tokenizer; `eos`: the ids that end generation (None: the tokenizer's own)."""
     _offline()
     from transformers import AutoTokenizer
 
@@ -269,11 +273,13 @@ def _hf_tokenizer(path: Path, model=None) -> TextTokenizer:
         backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     else:
         backend = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    eos = None
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and generation.eos_token_id is not None:
-        eos = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
     return TextTokenizer(backend, name=str(path), eos_token_ids=eos)
+
+
+def _model_eos(model) -> list[int] | None:
+    """The end-of-text ids of a transformers model's generation config."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return None if eos is None else (eos if isinstance(eos, list) else [eos])
 
 
 def _offline() -> None:
@@ -295,7 +301,7 @@ def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
                                                  use_safetensors=True).to(device)
     prepare(model)
     # Token ids in and out need no tokenizer: a directory without one loads (text features say so).
-    return HFModel(model, _hf_tokenizer(path, model) if has_tokenizer(path) else None)
+    return HFModel(model, _hf_tokenizer(path, _model_eos(model)) if has_tokenizer(path) else None)
 
 
 # Files that any transformers tokenizer is loaded from.
@@ -319,4 +325,4 @@ def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
                                                  local_files_only=True).to(device)
     prepare(model)
-    return HFModel(model, _hf_tokenizer(path, model))
+    return HFModel(model, _hf_tokenizer(path, _model_eos(model)))

@@ -1,7 +1,18 @@
-"""The dtype a model runs in: `auto` picks what this device runs fast, and says why.
+"""The precision a model runs in: `auto` picks what this device runs fast, and says why.
 
 Weights and activations take the execution dtype; logits leave every model as float32, so
 verification, sampling and the acceptance ratio p/q never see rounded probabilities.
+
+`int8` is a model of its own (`models/int8.py`): int8 weights, each token's activations
+quantized on their own, float32 for the rest. Its forward reads a quarter of float32's
+bytes and half of bfloat16's, and it is width-invariant: a verify forward gives each
+token the bits of a one-token forward, so speculative output is exactly the int8 model's
+own. On CPUs whose cores multiply 8-bit integers natively (VNNI) and have no AMX, `auto`
+picks it for models of SMALL_FOR_16_BITS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
+VNNI, no AMX) a forward of Qwen2.5-Coder 1.5B took 1.4x less time in int8 than in packed
+bfloat16 (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
+VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
+so `auto` does not pick it there.
 
 On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
 the BF16 extension on Arm) and its linear layers are prepacked for oneDNN (kernels.py): a
@@ -21,10 +32,9 @@ import platform
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHOICES = ("auto", *DTYPES)
-# For drafts: float32 models with int8 linear layers (kernels.quantize_linears).
+# int8 linear layers and embeddings, float32 for the rest (`models/int8.py`).
 INT8 = "int8"
-DRAFT_CHOICES = (*CHOICES, INT8)
+CHOICES = ("auto", INT8, *DTYPES)
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,10 +63,36 @@ def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> 
 SMALL_FOR_16_BITS = 100_000_000
 
 
+def cpu_has_int8(features: frozenset[str] | None = None) -> bool:
+    """Whether the CPU multiplies 8-bit integers natively (VNNI) and has no AMX, whose
+    bfloat16 matrix units are the faster choice there."""
+    features = cpu_features() if features is None else features
+    return bool({"avx512_vnni", "avx_vnni"} & features) and not {"amx_bf16", "amx_int8"} & features
+
+
+def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = None,
+                      weights: int | None = None, int8_runs: bool = True) -> tuple[bool, torch.dtype, str]:
+    """(int8 or not, the torch dtype of activations, the reason) for a name in CHOICES or a
+    torch dtype. `int8_runs`: whether this build and device run int8 layers (fbgemm)."""
+    device = torch.device(device)
+    if dtype == INT8:
+        if not int8_runs:
+            raise ValueError(f"int8 needs PyTorch's fbgemm engine on a CPU; not available on {device}: use auto, "
+                             "float32 or bfloat16")
+        return True, torch.float32, "int8, as asked (int8 weights, each token's activations in int8, float32 else)"
+    if (dtype == "auto" and device.type == "cpu" and int8_runs and cpu_has_int8(features)
+            and (weights is None or weights >= SMALL_FOR_16_BITS)):
+        machine = platform.machine() or "this CPU"
+        return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers natively "
+                                     "(VNNI, no AMX): a forward reads half of bfloat16's bytes, and verifying a "
+                                     "few tokens costs about one")
+    return (False, *resolve_dtype(dtype, device, features, weights))
+
+
 def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
                   weights: int | None = None) -> tuple[torch.dtype, str]:
-    """(torch dtype, the reason for it) for a name in CHOICES or a torch.dtype; `weights`
-    (the model's matrix weights, when known) keeps small models in float32 on CPUs.
+    """(torch dtype, the reason for it) for a name in CHOICES but int8, or a torch.dtype;
+    `weights` (the model's matrix weights, when known) keeps small models in float32 on CPUs.
 
     Raises ValueError for other dtypes, and for float16 on a CPU without native float16
     arithmetic (it would run emulated, slower than float32)."""
@@ -65,7 +101,7 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; allowed: {', '.join(CHOICES)}")
         name = str(dtype).removeprefix("torch.")
-    elif isinstance(dtype, str) and dtype in CHOICES:
+    elif isinstance(dtype, str) and dtype in CHOICES and dtype != INT8:
         name = dtype
     else:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(CHOICES)}")

@@ -123,31 +123,27 @@ class OutputHead(nn.Module):
 
     def __init__(self, head: nn.Module, token_ids: torch.Tensor | None = None):
         super().__init__()
-        if token_ids is None:
-            self.layer = head
-            return
-        weight = getattr(head, "weight", None)
-        if weight is None:
-            raise ValueError(f"a reduced vocabulary needs the output layer's weights; {type(head).__name__} keeps none")
-        token_ids = token_ids.to(weight.device)
-        rows = nn.Linear(weight.shape[1], len(token_ids), bias=getattr(head, "bias", None) is not None,
-                         device=weight.device, dtype=weight.dtype).requires_grad_(False)
-        rows.weight.copy_(weight.detach()[token_ids])
-        if rows.bias is not None:
-            rows.bias.copy_(head.bias.detach()[token_ids])
-        self.layer = like(head, rows)
+        self.layer = head if token_ids is None else rows_of(head, token_ids)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.layer(hidden).float()
 
 
-def like(head: nn.Module, rows: nn.Linear) -> nn.Module:
-    """`rows` in the same kind of layer as `head` (packed, int8 or plain)."""
-    if isinstance(head, PackedLinear):
-        return PackedLinear(rows)
+def rows_of(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
+    """The output layer `head` over rows `token_ids` only, in the same kind of layer (int8,
+    packed or plain)."""
     if isinstance(head, Int8Linear):
-        return Int8Linear(rows)
-    return rows
+        return head.select_rows(token_ids)
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        raise ValueError(f"a reduced vocabulary needs the output layer's weights; {type(head).__name__} keeps none")
+    token_ids = token_ids.to(weight.device)
+    rows = nn.Linear(weight.shape[1], len(token_ids), bias=getattr(head, "bias", None) is not None,
+                     device=weight.device, dtype=weight.dtype).requires_grad_(False)
+    rows.weight.copy_(weight.detach()[token_ids])
+    if rows.bias is not None:
+        rows.bias.copy_(head.bias.detach()[token_ids])
+    return PackedLinear(rows) if isinstance(head, PackedLinear) else rows
 
 
 def load_checked(model: nn.Module, tensors: dict, directory, config_path) -> None:

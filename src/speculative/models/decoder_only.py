@@ -38,6 +38,8 @@ class DecoderOnlyConfig:
     rms_norm_eps: float = 1e-5
     # Share the input embedding with the output projection.
     tie_embeddings: bool = True
+    # Biases on the query, key and value projections (Qwen2).
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -65,24 +67,31 @@ class DecoderOnlyConfig:
         return self.hidden_size // self.num_heads
 
 
-class KVState:
-    """Per-generation cache: keys and values per layer in buffers (R, H_kv, capacity + 1, D)
-    whose first B rows are in use, one length per row. R >= B: slots of rows that left are
-    reused by rows that join, so a running batch does not reallocate or copy its cache. The
-    last slot is scratch: padding tokens (past a row's num_valid) write there, so a row
-    near its capacity can share a forward with rows that feed more tokens."""
+# Attention reads keys in spans of whole blocks of this many slots (see `Attention`).
+KEY_BLOCK = 512
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+
+def key_slots(capacity: int) -> int:
+    """Slots of a cache for `capacity` positions: those, a scratch slot, rounded up to KEY_BLOCK."""
+    return -(-(capacity + 1) // KEY_BLOCK) * KEY_BLOCK
+
+
+class KVState:
+    """Per-generation cache: keys and values per layer in buffers (R, H_kv, S, D) whose
+    first B rows are in use, one length per row. R >= B: slots of rows that left are
+    reused by rows that join, so a running batch does not reallocate or copy its cache.
+    Slot `capacity` is scratch: padding tokens (past a row's num_valid) write there, so a
+    row near its capacity can share a forward with rows that feed more tokens. S rounds
+    capacity + 1 up to whole key blocks; the slots past a row's length are masked."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
         self.keys = keys
         self.values = values
+        self.capacity = capacity
         self.lengths = [0] * keys[0].shape[0]
 
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] - 1
-
     def in_use(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views (B, H_kv, capacity, D) of the rows in use."""
+        """Views (B, H_kv, S, D) of the rows in use."""
         batch = len(self.lengths)
         return [k[:batch] for k in self.keys], [v[:batch] for v in self.values]
 
@@ -94,34 +103,73 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same bits, in one call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) taken
+    as roll(x) = (x2, x1) times a sine whose first half is negated (the same bits)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
+def fused(*layers: nn.Linear) -> nn.Linear:
+    """One linear layer computing `layers` side by side (their outputs concatenated)."""
+    first = layers[0]
+    bias = first.bias is not None
+    out = sum(layer.out_features for layer in layers)
+    layer = nn.Linear(first.in_features, out, bias=bias, device=first.weight.device, dtype=first.weight.dtype)
+    layer.weight = nn.Parameter(torch.cat([part.weight.detach() for part in layers]), requires_grad=False)
+    if bias:
+        layer.bias = nn.Parameter(torch.cat([part.bias.detach() for part in layers]), requires_grad=False)
+    return layer
+
+
+# Fused layers (`DecoderOnlyLM.fuse`) and the layers they are made of.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one product (`fuse`)
+
+    def fuse(self) -> None:
+        """One product for q, k and v (one call, one read of the input): for inference only."""
+        self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        """q (B, H, T, D), k and v (B, H_kv, T, D), with q and k rotated."""
+        batch, width, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is None:
+            q = self.q_proj(x).view(batch, width, heads, dim).transpose(1, 2)
+            k = self.k_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
+            v = self.v_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
+            return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin), v
+        qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, dim).transpose(1, 2)
+        qk = rotate(qkv[:, :heads + kv_heads], cos, signed_sin)  # both rotated in one pass
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
     def forward(self, x, cos, sin, cache=None):
         """cache = (write, cache_k, cache_v, keys, mask) during generation; None scores a whole
-        sequence with plain causal attention (training)."""
+        sequence with plain causal attention (training).
+
+        With a cache, the queries attend over the first `keys` slots (whole KEY_BLOCKs), as
+        `mask` (B, T, keys) allows: in float32 by `cached_attention`, which gives every
+        token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel."""
         batch, width, _ = x.shape
-        q = self.q_proj(x).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         gqa = self.num_kv_heads != self.num_heads
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -129,9 +177,50 @@ class Attention(nn.Module):
             write, cache_k, cache_v, keys, mask = cache
             write(cache_k, k)
             write(cache_v, v)
-            out = F.scaled_dot_product_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], attn_mask=mask,
-                                                 enable_gqa=gqa)  # (B, H, T, D)
+            if q.dtype == torch.float32:
+                out = cached_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], mask)
+            else:
+                out = F.scaled_dot_product_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys],
+                                                     attn_mask=mask[:, None], enable_gqa=gqa)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+
+
+# Queries that `cached_attention` scores in one product (bounds its (B, H, T, S) scores).
+QUERY_BLOCK = 256
+# Fewest rows a product of `cached_attention` multiplies: BLAS libraries run products of a
+# few rows through kernels of their own (rounding differently), so fewer are padded to it.
+MIN_ROWS = 16
+
+
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Attention (B, H, T, D) of queries q (B, H, T, D) over keys and values (B, H_kv, S, D)
+    where mask (B, T, S) is True, as explicit products and a softmax over all S slots.
+
+    Width-invariant, bit for bit: a query's scores and output come out of products whose
+    reductions (over D, then over S) run the same whatever the other rows of the call
+    (at least MIN_ROWS of them), and slots it cannot see add exact zeros, so a verify
+    forward gives each token what a forward of that token alone gives, provided S is the
+    same or differs by whole key blocks (tests/test_int8.py). PyTorch's fused kernel
+    splits its work by the number of queries, so its rounding depends on the width.
+    `scale` multiplies the queries (default 1/sqrt(D))."""
+    batch, heads, width, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for start in range(0, width, QUERY_BLOCK):
+        block = q[:, :, start:start + QUERY_BLOCK]
+        rows = block.shape[2]
+        grouped = (block * (dim ** -0.5 if scale is None else scale)).reshape(batch, kv_heads, group * rows, dim)
+        padding = MIN_ROWS - group * rows
+        if padding > 0:
+            grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padding, dim)], 2)
+        scores = grouped @ keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S)
+        hidden = ~mask[:, None, None, start:start + rows]  # (B, 1, 1, t, S)
+        scores[:, :, :group * rows].view(batch, kv_heads, group, rows, slots).masked_fill_(hidden, float("-inf"))
+        mixed = torch.softmax(scores, -1) @ values  # (B, H_kv, g*t + padding, D)
+        out[:, :, start:start + rows] = mixed[:, :, :group * rows].reshape(batch, heads, rows, dim)
+    return out
 
 
 class MLP(nn.Module):
@@ -141,8 +230,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one product (`fuse`)
+
+    def fuse(self) -> None:
+        """One product for gate and up: for inference only."""
+        self.gate_up_proj = fused(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -186,7 +285,12 @@ class DecoderOnlyLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations and the cache (float32 in an int8 model)."""
+        return self.norm.weight.dtype
 
     def options(self) -> dict:
         """The JSON-able options that rebuild this model (saved beside the weights)."""
@@ -194,10 +298,10 @@ class DecoderOnlyLM(nn.Module):
 
     # --- state ---------------------------------------------------------------------------
     def new_state(self, batch_size: int, capacity: int) -> KVState:
-        cfg, weight = self.cfg, self.embed_tokens.weight
-        shape = (batch_size, cfg.num_kv_heads, capacity + 1, cfg.head_dim)  # + the scratch slot
-        return KVState([torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers],
-                       [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in self.layers])
+        cfg, dtype, device = self.cfg, self.dtype, self.device
+        shape = (batch_size, cfg.num_kv_heads, key_slots(capacity), cfg.head_dim)
+        return KVState([torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+                       [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers], capacity)
 
     def rollback(self, state: KVState, lengths: list[int]) -> None:
         check_lengths(lengths, state.lengths)
@@ -224,7 +328,7 @@ class DecoderOnlyLM(nn.Module):
             used = max(state.lengths, default=0)
             for old, buffer in zip(state.keys + state.values, grown.keys + grown.values):
                 buffer[:batch, :, :used] = old[:batch, :, :used]
-            state.keys, state.values = grown.keys, grown.values
+            state.keys, state.values, state.capacity = grown.keys, grown.values, grown.capacity
         used = max(new.lengths, default=0)
         if used > state.capacity:
             raise ValueError(f"joining rows hold {used} positions; the cache holds {state.capacity}")
@@ -234,8 +338,9 @@ class DecoderOnlyLM(nn.Module):
 
     # --- forward -------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, T, D) for positions (B, T) below `needed`; the table grows on demand
-        (read once into a local: several threads may share the model)."""
+        """cos and sin (B, 1, T, D) for positions (B, T) below `needed`, the sine's first half
+        negated (`rotate`); the table grows on demand (read once into a local: several
+        threads may share the model)."""
         table = self._rope_cache
         if table is None or table[0].shape[0] < needed or table[0].device != positions.device:
             size = max(needed, self.cfg.max_seq_len)
@@ -243,8 +348,10 @@ class DecoderOnlyLM(nn.Module):
             inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
             freqs = torch.outer(torch.arange(size, device=positions.device).float(), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            table = self._rope_cache = (emb.cos(), emb.sin())
-        dtype = self.embed_tokens.weight.dtype
+            sin = emb.sin()
+            sin[:, :dim // 2] *= -1
+            table = self._rope_cache = (emb.cos(), sin)
+        dtype = self.dtype
         cos, sin = (t[positions].to(dtype).unsqueeze(1) for t in table)
         return cos, sin
 
@@ -309,13 +416,14 @@ class DecoderOnlyLM(nn.Module):
 
             def write(cache, new):
                 cache[rows, :, targets] = new.transpose(1, 2)
-        # A query in slot s sees the keys in slots <= s (stale entries lie beyond).
+        # A query in slot s sees the keys in slots <= s (stale entries lie beyond), read in whole blocks.
+        span = min(-(-keys // KEY_BLOCK) * KEY_BLOCK, state.keys[0].shape[2])
         if tree is None:
-            mask = (torch.arange(keys, device=device)[None, None, :] <= slots[:, :, None]).unsqueeze(1)
+            mask = torch.arange(span, device=device)[None, None, :] <= slots[:, :, None]  # (B, T, span)
         else:
-            mask = tree_mask(tree, torch.tensor(starts, device=device), keys).unsqueeze(1)
+            mask = tree_mask(tree, torch.tensor(starts, device=device), span)
         for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
-            x = layer(x, cos, sin, (write, cache_k, cache_v, keys, mask))
+            x = layer(x, cos, sin, (write, cache_k, cache_v, span, mask))
         state.lengths = [s + c for s, c in zip(starts, counts)]
         return self.norm(x)
 
@@ -330,6 +438,15 @@ class DecoderOnlyLM(nn.Module):
                 for buffer in state.keys + state.values:
                     buffer[b, :, dst] = buffer[b, :, src]
             state.lengths[b] = start + len(keep)
+
+    def fuse(self) -> "DecoderOnlyLM":
+        """q, k and v, and gate and up, each in one product: fewer, larger calls per block,
+        with the same sums. For inference: a fused model cannot be saved or trained."""
+        for layer in self.layers:
+            if layer.self_attn.qkv_proj is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+        return self
 
     def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
         """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""

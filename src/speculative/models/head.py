@@ -118,17 +118,10 @@ class DraftHead(nn.Module):
     def output_layer(self, target) -> nn.Module:
         """The target's output layer over the head's vocabulary (all of it without one), as
         hidden -> float32 logits; in int8 when the head is."""
-        if not self.int8:
-            return target.output_head(self.vocab_ids)
-        full = target.output_head().layer
-        pick = slice(None) if self.vocab_ids is None else self.vocab_ids.to(full.weight.device)
-        weight, bias = full.weight.detach()[pick], getattr(full, "bias", None)
-        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device)
-        with torch.no_grad():
-            rows.weight.copy_(weight)
-            if bias is not None:
-                rows.bias.copy_(bias.detach()[pick])
-        return OutputHead(Int8Linear(rows))
+        layer = target.output_head(self.vocab_ids)
+        if not self.int8 or isinstance(layer.layer, Int8Linear):
+            return layer
+        return OutputHead(Int8Linear(layer.layer))
 
     # --- protocol attributes and state (the blocks' KV cache) -----------------------------
     @property

@@ -22,6 +22,7 @@ import inspect
 import torch
 
 from .base import OutputHead
+from .decoder_only import KEY_BLOCK, cached_attention
 
 # Layer types whose masks we know how to build.
 LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -34,10 +35,15 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, run for each block of QUERY_BLOCK queries over the span
     of key slots that the block's mask leaves open (from the first open slot to the last).
     Exact: a slot outside the span gets no weight from any query of the block. Forwards of
-    at most one block (every decoding step) and masks other than additive ones go whole."""
+    at most one block (every decoding step) and masks other than additive ones go whole.
+    In float32 (an int8 model's activations), forwards of at most one block go through
+    `width_invariant_attention` instead."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or not attention_mask.is_floating_point() or query.shape[2] <= QUERY_BLOCK:
+    additive = attention_mask is not None and attention_mask.is_floating_point()
+    if additive and query.dtype == torch.float32 and query.shape[2] <= QUERY_BLOCK and not kwargs.get("softcap"):
+        return width_invariant_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+    if not additive or query.shape[2] <= QUERY_BLOCK:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     blocked = torch.finfo(attention_mask.dtype).min
     outputs = []
@@ -49,6 +55,19 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
                                            value[:, :, first:last], mask[..., first:last], **kwargs)
         outputs.append(output)  # (B, block, heads, D)
     return torch.cat(outputs, 1), None
+
+
+def width_invariant_attention(query, key, value, attention_mask, scaling):
+    """`cached_attention` (the built-in decoder's: each token gets the bits of a one-token
+    forward) over the keys padded with hidden slots to whole KEY_BLOCKs, in transformers'
+    layout: (B, T, H, D) from queries (B, H, T, D) and an additive mask (B, 1, T, S)."""
+    slots = key.shape[2]
+    padding = -(-slots // KEY_BLOCK) * KEY_BLOCK - slots
+    visible = attention_mask[:, 0] != torch.finfo(attention_mask.dtype).min  # (B, T, S)
+    if padding:
+        key, value = (torch.nn.functional.pad(t, (0, 0, 0, padding)) for t in (key, value))
+        visible = torch.nn.functional.pad(visible, (0, padding))
+    return cached_attention(query, key, value, visible, scaling).transpose(1, 2)
 
 
 def use_block_attention(model) -> None:

@@ -1,0 +1,181 @@
+"""int8 models: every linear layer width-invariant int8 (`kernels.Int8Linear`), activations,
+attention and norms in float32, and the quantized weights cached on disk.
+
+A model in int8 is a model of its own: its reference is itself decoding one token at a
+time, and since its layers and attention give each token the same bits whatever the
+width of the forward, speculative output is token-identical to that reference.
+
+Checkpoints that the built-in decoder computes (Llama, Qwen2: `native.py`) are quantized
+one layer at a time while they are read, and the result is written to the cache
+(`$SPECULATIVE_CACHE/int8/NAME-KEY/`, ~/.cache/speculative by default): one safetensors
+file per block, then a manifest, then the directory is renamed into place, so a
+half-written cache is never taken for a whole one. The key hashes the checkpoint's files
+(names, sizes, modification times) and this format's version: a changed checkpoint gets
+a new entry. A later start reads the int8 weights (a quarter of float32's bytes) and
+packs them, in seconds. Delete the `int8` folder to clear it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+import torch
+from torch import nn
+
+from ..kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
+from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
+
+log = logging.getLogger("speculative")
+
+FORMAT = 1
+MANIFEST = "int8-manifest.json"
+
+
+def quantize_model(model: nn.Module) -> int:
+    """A float model in int8, in place: a built-in decoder fused (`DecoderOnlyLM.fuse`), its
+    linear layers (the output layer included) and its input embeddings in int8; other models'
+    linear layers. Returns how many layers are int8."""
+    if isinstance(model, DecoderOnlyLM):
+        model.fuse()
+        count = quantize_linears(model)
+        model.embed_tokens = Int8Embedding(model.embed_tokens.weight)
+        return count + 1
+    return quantize_linears(model)
+
+
+def cache_directory(path: Path) -> Path:
+    """Where the int8 weights of the checkpoint at `path` are cached."""
+    from ..presets import cache_root
+
+    digest = hashlib.sha256(f"format {FORMAT}\n{path.resolve()}\n".encode())
+    for file in sorted([*path.glob("*.safetensors"), path / "config.json"]):
+        stat = file.stat()
+        digest.update(f"{file.name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return cache_root() / "int8" / f"{path.resolve().name}-{digest.hexdigest()[:16]}"
+
+
+def load_cached(path: Path, cfg: DecoderOnlyConfig, read_float, progress: bool = True) -> DecoderOnlyLM:
+    """The int8 model of a checkpoint: from the cache when it holds it whole, else quantized
+    from `read_float(name)` (the float weights of the fused model's layers) and cached."""
+    directory = cache_directory(path)
+    if _complete(directory):
+        try:
+            return _read(directory, cfg)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:  # damaged after it was written
+            log.warning("the int8 cache %s is unreadable (%s): rebuilding it", directory, error)
+    return _quantize_and_write(directory, cfg, read_float, progress)
+
+
+def _skeleton(cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
+    with torch.device("meta"):
+        return DecoderOnlyLM(cfg).fuse()
+
+
+def _groups(model: DecoderOnlyLM) -> list[tuple[str, list[str]]]:
+    """(file stem, module names) for each file of the cache: one per block, one for the rest."""
+    groups = [(f"layers.{i}", [f"layers.{i}.{name}" for name, _ in layer.named_modules() if name])
+              for i, layer in enumerate(model.layers)]
+    return groups + [("outer", ["embed_tokens", "norm", "lm_head"])]
+
+
+def _quantize_and_write(directory: Path, cfg: DecoderOnlyConfig, read_float, progress: bool) -> DecoderOnlyLM:
+    from tqdm import tqdm
+
+    model = _skeleton(cfg)
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    sizes = {}
+    for stem, names in tqdm(_groups(model), desc="quantizing to int8 (once; cached)", unit="part",
+                            disable=not progress):
+        tensors = {}
+        for name in names:
+            module = model.get_submodule(name)
+            if type(module) is nn.Linear:
+                qweight, scale = quantize_rows(read_float(f"{name}.weight"))
+                bias = read_float(f"{name}.bias").float() if module.bias is not None else None
+                tensors.update({f"{name}.qweight": qweight, f"{name}.scale": scale})
+                if bias is not None:
+                    tensors[f"{name}.bias"] = bias
+                _replace(model, name, Int8Linear.from_int8(qweight, scale, bias))
+            elif isinstance(module, nn.Embedding):
+                embedding = Int8Embedding(read_float(f"{name}.weight"))
+                tensors.update({f"{name}.qweight": embedding.qweight, f"{name}.scale": embedding.scale})
+                _replace(model, name, embedding)
+            else:
+                for leaf, parameter in module.named_parameters(recurse=False):
+                    tensor = read_float(f"{name}.{leaf}").float().contiguous()
+                    tensors[f"{name}.{leaf}"] = tensor
+                    setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+        _save(tensors, partial / f"{stem}.safetensors")
+        sizes[f"{stem}.safetensors"] = (partial / f"{stem}.safetensors").stat().st_size
+    (partial / "config.json").write_text(json.dumps({"format": FORMAT, **model.options()}, indent=1) + "\n")
+    (partial / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
+    return model.eval()
+
+
+def _read(directory: Path, cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
+    from safetensors import safe_open
+
+    model = _skeleton(cfg)
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as packing:  # most of a start; in C++, in parallel
+        for stem, names in _groups(model):
+            with safe_open(str(directory / f"{stem}.safetensors"), "pt") as mapped:
+                keys = set(mapped.keys())
+
+                def stored(key):  # a copy: a view would keep the whole file mapped
+                    return mapped.get_tensor(key).clone()
+
+                def pack(name):  # (packing copies the weights out of the file)
+                    bias = stored(f"{name}.bias") if f"{name}.bias" in keys else None
+                    return Int8Linear.from_int8(mapped.get_tensor(f"{name}.qweight"), stored(f"{name}.scale"), bias)
+
+                linears = [name for name in names if type(model.get_submodule(name)) is nn.Linear]
+                for name, layer in zip(linears, packing.map(pack, linears)):
+                    _replace(model, name, layer)
+                for name in names:
+                    module = model.get_submodule(name)
+                    if isinstance(module, nn.Embedding):
+                        _replace(model, name, Int8Embedding(stored(f"{name}.qweight"), stored(f"{name}.scale")))
+                    elif not isinstance(module, Int8Linear):
+                        for leaf, _ in list(module.named_parameters(recurse=False)):
+                            setattr(module, leaf, nn.Parameter(stored(f"{name}.{leaf}"), requires_grad=False))
+    release_freed_memory()
+    return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Give the memory that loading freed back to the system (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
+def _save(tensors: dict, file: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(file))
+
+
+def _complete(directory: Path) -> bool:
+    try:
+        sizes = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return all((directory / name).is_file() and (directory / name).stat().st_size == size
+               for name, size in sizes.items())

@@ -1,0 +1,246 @@
+"""int8 models: width-invariant to the bit, their own reference for exactness, cached on disk.
+
+An int8 model is a model of its own; what speculation must reproduce is that model
+decoding one token at a time. That holds exactly only because every part of its forward
+gives a token the same bits whatever else the forward holds: its linear layers (each
+row quantized on its own) and its attention (`cached_attention`). These tests check that
+property bit for bit (torch.equal) for widths 1..17, then greedy identity and lossless
+sampling on top of it, on the CPU this runs on.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
+                         save_model)
+from speculative.kernels import Int8Embedding, Int8Linear, int8_available
+from speculative.precision import resolve_precision
+from helpers import perturbed, sharpen, tiny
+from test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+
+pytestmark = pytest.mark.skipif(not int8_available("cpu"), reason="this torch build has no fbgemm")
+
+WIDTHS = range(1, 18)
+
+
+def rows_alone(layer, x):
+    return torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+
+
+@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (40, 37), (256, 1536), (33, 8)])
+def test_an_int8_layer_gives_each_row_the_bits_it_gets_alone(reduce_range, out_features, in_features):
+    torch.manual_seed(out_features + in_features)
+    layer = Int8Linear(torch.nn.Linear(in_features, out_features))
+    layer.reduce_range = reduce_range  # 7-bit activations, as on CPUs without VNNI
+    x = torch.randn(17, in_features) * torch.rand(17, 1) * 10
+    x[:, 0] *= 30  # an outlier channel, as real activations have
+    x[3] = 0  # a row of zeros
+    alone = rows_alone(layer, x)
+    for width in WIDTHS:
+        assert torch.equal(layer(x[:width]), alone[:width]), width
+    assert torch.equal(layer(x.view(1, 17, -1))[0], alone)  # (B, T, K) as models call it
+    plain = torch.randn(17, in_features)  # without the outlier: int8 activations lose little
+    reference = torch.nn.functional.linear(plain, layer_weight(layer), layer.bias)
+    assert ((layer(plain) - reference).norm() / reference.norm()) < (0.04 if reduce_range else 0.02)
+
+
+def layer_weight(layer):
+    qweight, scale = layer.int8_weights()
+    return qweight.float() * scale[:, None]
+
+
+def test_int8_weights_round_trip_and_rows_are_taken_as_quantized():
+    layer = Int8Linear(torch.nn.Linear(24, 70000, bias=True))  # more rows than one fbgemm block
+    assert len(layer.packs) == 3
+    qweight, scale = layer.int8_weights()
+    again = Int8Linear.from_int8(qweight, scale, layer.bias)
+    x = torch.randn(3, 24)
+    assert torch.equal(again(x), layer(x))
+    ids = torch.tensor([5, 69999, 40000])
+    assert torch.equal(layer.select_rows(ids)(x), layer(x)[:, ids])
+    embedding = Int8Embedding(torch.randn(100, 16))
+    assert torch.allclose(embedding(torch.tensor([[3]])), embedding.qweight[3].float() * embedding.scale[3])
+
+
+def widths_agree(model, prompt_length=30, vocab=None):
+    """Logits of 17 tokens fed in one forward of width w (w = 1..17, then one at a time)
+    against the same tokens fed one at a time, after the same prompt."""
+    vocab = vocab or model.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (1, prompt_length), generator=gen)
+    new = torch.randint(0, vocab, (1, 17), generator=gen)
+    with torch.inference_mode():
+        state = model.new_state(1, 128)
+        model.forward(prompt, state, keep_logits=False)
+        alone = torch.cat([model.forward(new[:, i:i + 1], state) for i in range(17)], 1)
+        results = []
+        for width in WIDTHS:
+            model.rollback(state, [prompt_length])
+            done = 0
+            for start in range(0, 17, width):
+                out = model.forward(new[:, start:start + width], state)
+                results.append(torch.equal(out, alone[:, start:start + width]))
+                done += out.shape[1]
+    return all(results)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    """A transformers Llama checkpoint (grouped-query attention, 64-wide heads): it loads
+    into the built-in decoder."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("llama") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_int8_models_give_each_token_the_bits_of_a_forward_of_its_own(tmp_path, llama_checkpoint, cache):
+    save_model(tiny("decoder_only", seed=5, num_kv_heads=2), tmp_path / "builtin")
+    builtin = load_model(tmp_path / "builtin", dtype="int8")
+    assert isinstance(builtin.lm_head, Int8Linear) and isinstance(builtin.embed_tokens, Int8Embedding)
+    assert widths_agree(builtin)
+    native = load_model(llama_checkpoint, dtype="int8")
+    assert widths_agree(native)
+    assert not widths_agree(load_model(tmp_path / "builtin", dtype="float32")), \
+        "float32 linears differ by width on this CPU; if not, this check shows nothing"
+
+
+def test_an_int8_transformers_model_is_width_invariant_too():
+    transformers = pytest.importorskip("transformers")
+    from speculative.kernels import quantize_linears
+    from speculative.models.hf import HFModel
+
+    torch.manual_seed(4)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=2,
+                                                                n_positions=256)).eval()
+    quantize_linears(gpt2)
+    assert widths_agree(HFModel(gpt2))
+
+
+def test_batch_rows_of_an_int8_model_get_what_they_get_alone(tmp_path):
+    save_model(tiny("decoder_only", seed=6), tmp_path / "m")
+    model = load_model(tmp_path / "m", dtype="int8")
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 11)]
+    with torch.inference_mode():
+        state = model.new_state(3, 64)
+        batch = model.forward(torch.tensor([p + [0] * (23 - len(p)) for p in prompts]), state,
+                              [len(p) for p in prompts])
+        for row, prompt in enumerate(prompts):
+            alone = model.forward(torch.tensor([prompt]), model.new_state(1, 64))
+            assert torch.equal(batch[row, :len(prompt)], alone[0])
+
+
+@pytest.fixture(scope="module")
+def int8_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    base = sharpen(tiny("decoder_only", seed=21), 6.0)
+    save_model(base, root / "target")
+    save_model(perturbed(base, 0.1, seed=22), root / "draft")
+    return load_model(root / "target", dtype="int8"), root
+
+
+@pytest.mark.parametrize("draft_kind", ["int8 draft", "float draft", "ngram", "tree", "self"])
+def test_greedy_speculation_on_an_int8_target_is_its_own_greedy_decoding(int8_pair, draft_kind):
+    target, root = int8_pair
+    draft = {"int8 draft": lambda: load_model(root / "draft", dtype="int8"),
+             "float draft": lambda: load_model(root / "draft", dtype="float32"),
+             "ngram": lambda: NGramProposer(max_ngram=3),
+             "tree": lambda: load_model(root / "draft", dtype="int8"),
+             "self": lambda: target}[draft_kind]()
+    config = SpeculativeConfig(adaptive=False, num_draft_tokens=5,
+                               **({"tree_top_k": 2, "tree_max_tokens": 9} if draft_kind == "tree" else {}))
+    decoder = SpeculativeDecoder(target, draft, config)
+    prompts = [[1, 2, 3], list(range(10, 40)) * 2, [7] * 5]
+    for prompt in prompts:
+        assert decoder.generate(prompt, 48) == autoregressive_generate(target, prompt, 48)
+    assert decoder.generate(prompts, 30) == [autoregressive_generate(target, p, 30) for p in prompts]
+    assert 0 < decoder.acceptance_rate() <= 1
+    if draft_kind == "self":
+        assert decoder.acceptance_rate() == 1.0
+
+
+@pytest.mark.slow
+def test_sampling_from_an_int8_target_follows_its_own_distribution():
+    """G-test against the int8 model's exact distribution (computed from wide forwards:
+    exact only because the model is width-invariant); negative control: the same model
+    at temperature 1.3, which the test must reject."""
+    from speculative.models.int8 import quantize_model
+
+    draft = sharpen(tiny("decoder_only", vocab=VOCAB, seed=12), 12.0)
+    target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 12.0)
+    quantize_model(target)
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=3, seed=0)
+    decoder = SpeculativeDecoder(target, draft, config)
+    counts = draw(decoder)
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
+    warmer = SpeculativeConfig(adaptive=False, greedy_verification=False, main_temperature=1.3)
+    assert g_test_pvalue(counts, exact_joint(target, warmer)) < P_MIN
+    assert counts.sum() == DRAWS and LENGTH == 3
+
+
+def test_the_int8_cache_is_written_once_read_after_and_rebuilt_when_damaged(llama_checkpoint, cache, monkeypatch):
+    import speculative.models.int8 as int8
+
+    first = load_model(llama_checkpoint, dtype="int8")
+    entries = list((cache / "int8").iterdir())
+    assert len(entries) == 1 and (entries[0] / int8.MANIFEST).is_file()
+    writes = []
+    monkeypatch.setattr(int8, "_quantize_and_write", lambda *a: writes.append(a) or pytest.fail("re-quantized"))
+    again = load_model(llama_checkpoint, dtype="int8")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(first.forward(ids, first.new_state(1, 8)), again.forward(ids, again.new_state(1, 8)))
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(cache))
+    damaged = entries[0] / "layers.0.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated: the manifest's size no longer matches
+    rebuilt = load_model(llama_checkpoint, dtype="int8")
+    with torch.inference_mode():
+        assert torch.equal(rebuilt.forward(ids, rebuilt.new_state(1, 8)), first.forward(ids, first.new_state(1, 8)))
+    config = llama_checkpoint / "config.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10_000_000_000))  # a changed checkpoint: a new entry
+    load_model(llama_checkpoint, dtype="int8")
+    assert len([p for p in (cache / "int8").iterdir() if not p.name.endswith(".partial")]) == 2
+    assert json.loads((entries[0] / "config.json").read_text())["num_layers"] == 2
+
+
+VNNI = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+AMX = frozenset({"avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
+AVX2 = frozenset({"avx2", "fma"})
+
+
+@pytest.mark.parametrize("features, weights, int8, words", [
+    (VNNI, 1_500_000_000, True, "auto: int8, since this CPU"),
+    (VNNI, None, True, "VNNI, no AMX"),
+    (VNNI, 15_000_000, False, "too small for 16 bits to pay"),
+    (AMX, 1_500_000_000, False, "auto: bfloat16"),
+    (AVX2, 1_500_000_000, False, "auto: float32"),
+])
+def test_auto_picks_int8_where_the_cpu_multiplies_8_bit_integers_and_has_no_amx(features, weights, int8, words):
+    chosen, dtype, reason = resolve_precision("auto", "cpu", features, weights)
+    assert chosen == int8 and words in reason
+    assert resolve_precision("auto", "cpu", VNNI, 10 ** 9, int8_runs=False)[0] is False
+
+
+def test_generate_runs_an_int8_target_and_says_so():
+    run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "int8", "--max-new-tokens",
+                          "24", "--verbose"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "int8, as asked" in run.stderr and "tokens/s" in run.stdout
