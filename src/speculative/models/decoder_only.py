@@ -42,10 +42,25 @@ class DecoderOnlyConfig:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+        # Upper bounds far above any real model's, so that a wrong config (a config.json saying
+        # max_seq_len 1e12) is refused here rather than by the OS once tensors are allocated.
+        bounds = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_layers": 1024, "num_heads": 1 << 12,
+                  "num_kv_heads": 1 << 12, "intermediate_size": 1 << 18, "max_seq_len": 1 << 20}
+        for name, high in bounds.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"decoder_only option {name} must be an integer >= 1, got {value!r}")
+            if value is None and name in ("num_kv_heads", "intermediate_size"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ValueError(f"decoder_only option {name} must be an integer in 1..{high}, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+                    or (name == "rope_theta" and value == 0):
+                allowed = "> 0" if name == "rope_theta" else ">= 0"
+                raise ValueError(f"decoder_only option {name} must be a finite number {allowed}, got {value!r}")
+        for name in ("tie_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"decoder_only option {name} must be true or false, got {getattr(self, name)!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"decoder_only hidden_size ({self.hidden_size}) must be a multiple of "
                              f"num_heads ({self.num_heads})")
@@ -54,13 +69,11 @@ class DecoderOnlyConfig:
                              f"positions, got {self.hidden_size // self.num_heads}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(f"decoder_only num_kv_heads ({self.num_kv_heads}) must divide num_heads "
                              f"({self.num_heads})")
         if self.intermediate_size is None:
             self.intermediate_size = -(-8 * self.hidden_size // 3 // 32) * 32
-        if self.intermediate_size < 1:
-            raise ValueError(f"decoder_only intermediate_size must be >= 1, got {self.intermediate_size}")
 
     @property
     def head_dim(self) -> int:
@@ -142,6 +155,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product (`fuse`)
+        self.scale: float | None = None  # scales the attention scores; None = 1/sqrt(head_dim)
 
     def fuse(self) -> None:
         """One product for q, k and v (one call, one read of the input): for inference only."""
@@ -172,16 +186,17 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin)
         gqa = self.num_kv_heads != self.num_heads
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
         else:
             write, cache_k, cache_v, keys, mask = cache
             write(cache_k, k)
             write(cache_v, v)
             if q.dtype == torch.float32:
-                out = cached_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], mask)
+                out = cached_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], mask, self.scale)
             else:
                 out = F.scaled_dot_product_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys],
-                                                     attn_mask=mask[:, None], enable_gqa=gqa)  # (B, H, T, D)
+                                                     attn_mask=mask[:, None], enable_gqa=gqa,
+                                                     scale=self.scale)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
@@ -224,6 +239,9 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 class MLP(nn.Module):
+    # The gate's activation (SwiGLU's; a subclass may change it: Gemma 3's GeGLU).
+    activation = staticmethod(F.silu)
+
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -239,9 +257,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class Block(nn.Module):
@@ -267,12 +285,21 @@ class DecoderOnlyLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=0.02)  # small, so blocks shape the output
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.new_block(cfg, index) for index in range(cfg.num_layers))
+        self.norm = self.new_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_tables: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}  # rotary base -> (cos, sin)
+
+    # --- parts (a subclass with other blocks overrides these: Gemma 3) ---------------------
+    def new_block(self, cfg: DecoderOnlyConfig, index: int) -> nn.Module:
+        """Block number `index`."""
+        return Block(cfg)
+
+    def new_norm(self, cfg: DecoderOnlyConfig) -> nn.Module:
+        """The final norm."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     # --- protocol attributes -------------------------------------------------------------
     @property
@@ -337,23 +364,23 @@ class DecoderOnlyLM(nn.Module):
         state.lengths = state.lengths + list(new.lengths)
 
     # --- forward -------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, 1, T, D) for positions (B, T) below `needed`, the sine's first half
-        negated (`rotate`); the table grows on demand (read once into a local: several
-        threads may share the model)."""
-        table = self._rope_cache
-        if table is None or table[0].shape[0] < needed or table[0].device != positions.device:
-            size = max(needed, self.cfg.max_seq_len)
-            dim = self.cfg.head_dim
-            inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim))
-            freqs = torch.outer(torch.arange(size, device=positions.device).float(), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            sin[:, :dim // 2] *= -1
-            table = self._rope_cache = (emb.cos(), sin)
+    def _rope(self, positions: torch.Tensor, needed: int, theta: float | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, 1, T, D) for positions (B, T) below `needed`, with rotary base `theta`
+        (default: the config's), the sine's first half negated (`rotate`)."""
+        table = self._rope_table(self.cfg.rope_theta if theta is None else theta, needed, positions.device)
         dtype = self.dtype
         cos, sin = (t[positions].to(dtype).unsqueeze(1) for t in table)
         return cos, sin
+
+    def _rope_table(self, theta: float, needed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 table (`rope_table`) of base `theta` over at least `needed` positions,
+        made once over max_seq_len (read once into a local: several threads may share the model)."""
+        table = self._rope_tables.get(theta)
+        if table is None or table[0].shape[0] < needed or table[0].device != device:
+            table = self._rope_tables[theta] = rope_table(theta, self.cfg.head_dim, 0,
+                                                          max(needed, self.cfg.max_seq_len), device)
+        return table
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embeddings (B, T, H) of tokens (what a draft head reads beside the features)."""
@@ -375,8 +402,8 @@ class DecoderOnlyLM(nn.Module):
         token still sees its row's slots before those.
         """
         if state is None:
-            return self.lm_head(self.run_blocks(self.embed_tokens(tokens)))
-        hidden = self.run_blocks(self.embed_tokens(tokens), state, num_valid, positions, tree)
+            return self.lm_head(self.run_blocks(self.embed(tokens)))
+        hidden = self.run_blocks(self.embed(tokens), state, num_valid, positions, tree)
         return output(self.lm_head, hidden, keep_logits, return_hidden)
 
     def run_blocks(self, x: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
@@ -386,10 +413,7 @@ class DecoderOnlyLM(nn.Module):
         A draft head runs its own inputs (embeddings fused with features) through it."""
         if state is None:
             positions = torch.arange(x.shape[1], device=x.device)[None]
-            cos, sin = self._rope(positions, x.shape[1])
-            for layer in self.layers:
-                x = layer(x, cos, sin)
-            return self.norm(x)
+            return self.norm(self.apply_layers(x, positions, x.shape[1]))
         batch, width = x.shape[:2]
         counts = valid_counts(num_valid, batch, width)
         starts = state.lengths
@@ -399,11 +423,11 @@ class DecoderOnlyLM(nn.Module):
         device = x.device
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # (B, T)
         if positions is None:
-            cos, sin = self._rope(slots, keys)
+            positions, needed = slots, keys
         elif tuple(positions.shape) != (batch, width):
             raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
         else:
-            cos, sin = self._rope(positions, int(positions.max()) + 1)
+            needed = int(positions.max()) + 1
         if min(starts) == max(starts) and starts[0] + width <= state.capacity:
             first = starts[0]
 
@@ -422,10 +446,25 @@ class DecoderOnlyLM(nn.Module):
             mask = torch.arange(span, device=device)[None, None, :] <= slots[:, :, None]  # (B, T, span)
         else:
             mask = tree_mask(tree, torch.tensor(starts, device=device), span)
-        for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
-            x = layer(x, cos, sin, (write, cache_k, cache_v, span, mask))
+        x = self.apply_layers(x, positions, needed, (write, span, mask), state)
         state.lengths = [s + c for s, c in zip(starts, counts)]
         return self.norm(x)
+
+    def apply_layers(self, x: torch.Tensor, positions: torch.Tensor, needed: int, attend: tuple | None = None,
+                     state: KVState | None = None) -> torch.Tensor:
+        """The blocks over x (B, T, H) whose rotary positions are `positions` (B, T), all below
+        `needed`; with attend = (write, span, mask) (`run_blocks`), through the cache of `state`,
+        else with plain causal attention. A model whose layers differ in kind (Gemma 3's
+        sliding windows) gives each kind its own table and mask here."""
+        cos, sin = self._rope(positions, needed)
+        if attend is None:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return x
+        write, span, mask = attend
+        for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
+            x = layer(x, cos, sin, (write, cache_k, cache_v, span, mask))
+        return x
 
     @torch.inference_mode()
     def compact(self, state: KVState, starts: list[int], kept: list[list[int]]) -> None:
@@ -451,6 +490,17 @@ class DecoderOnlyLM(nn.Module):
     def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
         """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
         return OutputHead(self.lm_head, token_ids)
+
+
+def rope_table(theta: float, dim: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (stop - start, dim) of rotary base `theta` for positions start..stop - 1,
+    the sine's first half negated (`rotate`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(start, stop, device=device).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[:, :dim // 2] *= -1
+    return emb.cos(), sin
 
 
 def tree_mask(tree: torch.Tensor, starts: torch.Tensor, keys: int) -> torch.Tensor:

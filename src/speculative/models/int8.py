@@ -5,7 +5,7 @@ A model in int8 is a model of its own: its reference is itself decoding one toke
 time, and since its layers and attention give each token the same bits whatever the
 width of the forward, speculative output is token-identical to that reference.
 
-Checkpoints that the built-in decoder computes (Llama, Qwen2: `native.py`) are quantized
+Checkpoints that the built-in decoder computes (Llama, Qwen2, Gemma 3: `native.py`) are quantized
 one layer at a time while they are read, and the result is written to the cache
 (`$SPECULATIVE_CACHE/int8/NAME-KEY/`, ~/.cache/speculative by default): one safetensors
 file per block, then a manifest, then the directory is renamed into place, so a
@@ -31,17 +31,26 @@ from torch import nn
 
 from ..kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
+from .gemma3 import Gemma3Config, Gemma3LM
 
 log = logging.getLogger("speculative")
 
 FORMAT = 1
 MANIFEST = "int8-manifest.json"
+# The model class each configuration builds (a subclass's before its base's).
+MODEL_CLASSES = {Gemma3Config: Gemma3LM, DecoderOnlyConfig: DecoderOnlyLM}
+
+
+def model_class(cfg: DecoderOnlyConfig) -> type[DecoderOnlyLM]:
+    """The built-in decoder class that `cfg` configures (Gemma 3's or the plain one)."""
+    return next(model for config, model in MODEL_CLASSES.items() if isinstance(cfg, config))
 
 
 def quantize_model(model: nn.Module) -> int:
     """A float model in int8, in place: a built-in decoder fused (`DecoderOnlyLM.fuse`), its
-    linear layers (the output layer included) and its input embeddings in int8; other models'
-    linear layers. Returns how many layers are int8."""
+    linear layers (the output layer included) and its input embeddings in int8 (Gemma 3
+    scales what the int8 lookup gives, in float32: `Gemma3LM.embed`); other models' linear
+    layers. Returns how many layers are int8."""
     if isinstance(model, DecoderOnlyLM):
         model.fuse()
         count = quantize_linears(model)
@@ -75,7 +84,7 @@ def load_cached(path: Path, cfg: DecoderOnlyConfig, read_float, progress: bool =
 
 def _skeleton(cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
     with torch.device("meta"):
-        return DecoderOnlyLM(cfg).fuse()
+        return model_class(cfg)(cfg).fuse()
 
 
 def _groups(model: DecoderOnlyLM) -> list[tuple[str, list[str]]]:

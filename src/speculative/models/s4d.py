@@ -50,14 +50,25 @@ class S4DConfig:
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "state_dim"):
+        # Upper bounds far above any real model's: a wrong config is refused before allocation.
+        bounds = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_layers": 1024, "state_dim": 1 << 12,
+                  "intermediate_size": 1 << 18}
+        for name, high in bounds.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"s4d option {name} must be an integer >= 1, got {value!r}")
+            if value is None and name == "intermediate_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ValueError(f"s4d option {name} must be an integer in 1..{high}, got {value!r}")
         if self.intermediate_size is None:
             self.intermediate_size = 2 * self.hidden_size
+        for name in ("dt_min", "dt_max", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"s4d option {name} must be a finite number >= 0, got {value!r}")
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"s4d options need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"s4d option tie_embeddings must be true or false, got {self.tie_embeddings!r}")
 
 
 class SSMState:

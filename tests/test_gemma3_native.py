@@ -1,0 +1,193 @@
+"""Gemma 3 checkpoints on the built-in decoder (models/gemma3.py): transformers' logits and
+greedy output in float32, and in int8 a model width-invariant to the bit, cached on disk.
+
+A tiny random Gemma3ForCausalLM stands in for the real one: sliding windows of 8 positions
+beside full layers (prompts run past the window), separate rotary bases per kind of
+layer, one key/value head, and norm weights far from zero so that the (1 + w) folded at
+load time counts.
+"""
+
+import json
+
+import pytest
+import torch
+
+from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model)
+from speculative.kernels import Int8Embedding, Int8Linear, int8_available
+from speculative.models.gemma3 import Gemma3LM
+from speculative.models.native import native_config
+from test_int8 import widths_agree
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+WINDOW = 8
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+needs_int8 = pytest.mark.skipif(not int8_available("cpu"), reason="this torch build has no fbgemm")
+
+
+def gemma(seed, hidden=64, head_dim=32, layers=LAYERS, noise=0.0, **options):
+    """A tiny Gemma3ForCausalLM with random norms and peaked logits (a large final norm), so
+    that greedy choices are not near-ties; `noise` perturbs a copy into a draft."""
+    torch.manual_seed(seed)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=len(layers),
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, sliding_window=WINDOW, layer_types=layers,
+        max_position_embeddings=256, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                      "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **options)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.3)
+        model.model.norm.weight.fill_(7.0)  # (1 + 7): logits 8x sharper
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape) * noise * parameter.std().clamp(min=1e-3))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(directory, transformers model) of a target and of a perturbed copy (a draft)."""
+    root = tmp_path_factory.mktemp("gemma3")
+    made = {}
+    for name, model in {"target": gemma(0), "draft": gemma(0, noise=0.05)}.items():
+        model.save_pretrained(root / name)
+        made[name] = root / name, model
+    return made
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def prompt(length, seed):
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(model, ids, n):
+    """transformers' own greedy generate()."""
+    inputs = torch.tensor([ids])
+    out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_float32_logits_are_transformers_past_the_window(checkpoints):
+    path, reference = checkpoints["target"]
+    model = load_model(path, dtype="float32")
+    assert isinstance(model, Gemma3LM) and model.dtype == torch.float32
+    ids = torch.tensor([prompt(40, 1), prompt(40, 2)])  # 5 windows long
+    with torch.inference_mode():
+        expected = reference(ids).logits
+        cached = model.forward(ids, model.new_state(2, 40))
+        whole = model.forward(ids)  # no state: whole sequences from position 0
+    assert (cached - expected).abs().max() < 1e-4
+    assert (whole - expected).abs().max() < 1e-4
+
+
+def test_bfloat16_keeps_float32_norms_and_follows_transformers(checkpoints):
+    path, reference = checkpoints["target"]
+    model = load_model(path, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and model.layers[0].input_layernorm.weight.dtype == torch.float32
+    half = transformers.Gemma3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt(30, 3)])
+    with torch.inference_mode():
+        ours, theirs = model.forward(ids, model.new_state(1, 30)), half(ids).logits.float()
+    assert ((ours - theirs).norm() / theirs.norm()) < 0.02
+    assert model.embed(ids).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("options", [{"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0},
+                                     {"hidden_activation": "gelu"}, {"use_bidirectional_attention": True}])
+def test_what_the_decoder_does_not_compute_loads_through_transformers(tmp_path, options):
+    from speculative.models.hf import HFModel
+
+    gemma(5, hidden=32, head_dim=16, layers=LAYERS[:2], **options).save_pretrained(tmp_path / "m")
+    assert native_config(json.loads((tmp_path / "m" / "config.json").read_text())) is None
+    assert isinstance(load_model(tmp_path / "m", dtype="float32"), HFModel)
+
+
+def test_a_bad_layer_count_is_named(tmp_path):
+    gemma(6, hidden=32, head_dim=16, layers=LAYERS[:2]).save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * 3
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: gemma3 option layer_types must hold 2 entries"):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("draft_kind", ["ngram", "draft model", "self"])
+def test_greedy_speculation_equals_transformers_generate(checkpoints, draft_kind):
+    path, reference = checkpoints["target"]
+    target = load_model(path)
+    draft = {"ngram": lambda: NGramProposer(max_ngram=3, num_draft_tokens=6),
+             "draft model": lambda: load_model(checkpoints["draft"][0]), "self": lambda: target}[draft_kind]()
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+    for length, seed in [(1, 0), (5, 1), (20, 2)]:
+        ids = prompt(length, seed) * 2  # past the window; repeats give n-grams to find
+        assert decoder.generate(ids, 30) == generate(reference, ids, 30)
+    prompts = [prompt(3, 4), prompt(25, 5), prompt(11, 6)]  # rows of different lengths in one batch
+    assert decoder.generate(prompts, 20) == [generate(reference, ids, 20) for ids in prompts]
+    if draft_kind == "self":
+        assert decoder.acceptance_rate() == 1.0
+    if draft_kind == "draft model":
+        assert decoder.acceptance_rate() > 0.3
+
+
+@needs_int8
+def test_int8_gives_each_token_the_bits_of_a_forward_of_its_own(checkpoints, cache):
+    model = load_model(checkpoints["target"][0], dtype="int8")
+    assert isinstance(model, Gemma3LM) and model.dtype == torch.float32
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed_tokens, Int8Embedding)
+    assert widths_agree(model, prompt_length=30)  # the 17 tokens cross two more windows
+    ids = torch.tensor([[3, 77, 5]])
+    scale = torch.tensor(64 ** 0.5, dtype=torch.float32)
+    assert torch.equal(model.embed(ids), model.embed_tokens(ids) * scale)  # the int8 lookup, then the scale
+
+
+@needs_int8
+def test_int8_batch_rows_get_the_bits_they_get_alone(checkpoints, cache):
+    model = load_model(checkpoints["target"][0], dtype="int8")
+    prompts = [prompt(n, n) for n in (5, 23, 11)]
+    with torch.inference_mode():
+        batch = model.forward(torch.tensor([p + [0] * (23 - len(p)) for p in prompts]), model.new_state(3, 64),
+                              [len(p) for p in prompts])
+        for row, ids in enumerate(prompts):
+            alone = model.forward(torch.tensor([ids]), model.new_state(1, 64))
+            assert torch.equal(batch[row, :len(ids)], alone[0])
+
+
+@needs_int8
+@pytest.mark.parametrize("draft_kind", ["ngram", "int8 draft", "tree"])
+def test_greedy_speculation_on_int8_is_its_own_greedy_decoding(checkpoints, cache, draft_kind):
+    target = load_model(checkpoints["target"][0], dtype="int8")
+    draft = NGramProposer(max_ngram=3) if draft_kind == "ngram" else load_model(checkpoints["draft"][0], dtype="int8")
+    config = SpeculativeConfig(adaptive=False, num_draft_tokens=5,
+                               **({"tree_top_k": 2, "tree_max_tokens": 7} if draft_kind == "tree" else {}))
+    decoder = SpeculativeDecoder(target, draft, config)
+    ids = prompt(12, 8) * 2  # past the window
+    assert decoder.generate(ids, 32) == autoregressive_generate(target, ids, 32)
+    prompts = [prompt(3, 7), ids, [9] * 5]
+    assert decoder.generate(prompts, 20) == autoregressive_generate(target, prompts, 20)
+
+
+@needs_int8
+def test_the_int8_cache_gives_back_the_same_model(checkpoints, cache, monkeypatch):
+    import speculative.models.int8 as int8
+
+    path = checkpoints["target"][0]
+    first = load_model(path, dtype="int8")
+    (entry,) = (cache / "int8").iterdir()
+    saved = json.loads((entry / "config.json").read_text())
+    assert saved["layer_types"] == LAYERS and saved["sliding_window"] == WINDOW and saved["head_dim"] == 32
+    monkeypatch.setattr(int8, "_quantize_and_write", lambda *a: pytest.fail("re-quantized"))
+    again = load_model(path, dtype="int8")
+    assert isinstance(again, Gemma3LM)
+    assert torch.equal(again.norm.weight, first.norm.weight) and again.norm.weight.dtype == torch.float32
+    ids = torch.tensor([prompt(20, 9)])
+    with torch.inference_mode():
+        assert torch.equal(first.forward(ids, first.new_state(1, 20)), again.forward(ids, again.new_state(1, 20)))
