@@ -109,22 +109,23 @@ def test_a_tensor_batch_without_rows_is_refused(pair, prompt):
         autoregressive_generate(pair[1], prompt, 3)
 
 
-def test_k_that_cannot_fit_the_models_length_is_refused_before_any_compute(pair):
-    draft, target = pair
+def test_k_that_cannot_fit_the_models_length_is_refused_before_any_compute():
+    target = tiny("decoder_only", seed=1, max_seq_len=32)  # K is bounded (64): short models show the length check
+    draft = perturbed(target, 0.05, seed=2)
     calls = []
     forward = target.forward
     target.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
     try:
-        decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=1000))
-        with pytest.raises(ValueError, match="num_draft_tokens is 1000, .* target model holds 256: allowed K <= 255"):
+        decoder = SpeculativeDecoder(target, NGramProposer(), SpeculativeConfig(num_draft_tokens=40))
+        with pytest.raises(ValueError, match="num_draft_tokens is 40, .* target model holds 32: allowed K <= 31"):
             decoder.generate([1, 2, 3], 5)
         assert calls == []  # not even the prompt was read
     finally:
         del target.forward
     s4d_target = tiny("s4d", seed=1)  # unbounded; the draft model is not
-    with pytest.raises(ValueError, match="the draft model holds 256: allowed K <= 255"):
-        SpeculativeDecoder(s4d_target, draft, SpeculativeConfig(num_draft_tokens=256)).generate([1, 2], 3)
-    assert len(SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=255)).generate([1, 2], 3)) == 3
+    with pytest.raises(ValueError, match="the draft model holds 32: allowed K <= 31"):
+        SpeculativeDecoder(s4d_target, draft, SpeculativeConfig(num_draft_tokens=32)).generate([1, 2], 3)
+    assert len(SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=31)).generate([1, 2], 3)) == 3
 
 
 def test_prompt_lookup_uses_the_configured_ngram_sizes():

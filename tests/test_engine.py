@@ -305,6 +305,7 @@ def test_plain_decoding_through_the_engine_never_drafts():
     assert all(engine.request_stats(i).tokens_per_forward == 1.0 for i in range(5))
 
 
+@pytest.mark.slow  # long run: 200 requests
 def test_a_long_run_keeps_the_transformers_cache_bounded():
     """200 requests through four rows: requests join every step, and the cache's slots stay
     within a bound set by the longest request, not by how long the engine has run."""

@@ -8,8 +8,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .sampling import MIN_TEMPERATURE
+
 # torch.Generator.manual_seed takes seeds up to 2**64 - 1 (and aliases negative ones onto them).
 MAX_SEED = 2 ** 64 - 1
+
+# Upper bounds of the sizes a user sets, checked before anything is allocated: each
+# allocation grows with them, so an absurd value would exhaust memory instead of failing.
+# K: every step scores K + 1 positions per row, (B, K+1, V) logits.
+MAX_DRAFT_TOKENS = 64
+# Tree nodes per row and step: the verify forward's (1+N, V) logits and (1+N, 1+N) mask per row.
+MAX_TREE_TOKENS = 256
+# Children per tree node: a draft model reads top_k nodes per depth and ranks top_k**2 candidates.
+MAX_TREE_TOP_K = 32
+# Longest n-gram looked up: each row indexes (max - min + 1) n-grams of up to max tokens per position.
+MAX_NGRAM = 32
+# New tokens per request, and tokens per prompt.
+MAX_NEW_TOKENS = 2 ** 20
+MAX_PROMPT_TOKENS = 2 ** 20
+# Rows of one batch: an engine's max_batch_size, and prompts per generate() call.
+MAX_BATCH_SIZE = 2 ** 16
 
 
 @dataclass(frozen=True)
@@ -26,9 +44,11 @@ class SpeculativeConfig:
     # K: tokens the draft proposes per step; the target scores all of them in one forward.
     # With `adaptive`, the largest K the policy may choose.
     num_draft_tokens: int = 4
-    # Temperature of the draft's proposals (0 = greedy drafts). Never changes the output.
+    # Temperature of the draft's proposals (0, or below sampling.MIN_TEMPERATURE = greedy
+    # drafts). Never changes the output.
     draft_temperature: float = 1.0
-    # Temperature of the target, i.e. of the output distribution (0 = greedy).
+    # Temperature of the target, i.e. of the output distribution (0, or below
+    # sampling.MIN_TEMPERATURE = greedy).
     main_temperature: float = 1.0
     # True: keep drafted tokens while they equal the target's argmax (output = target greedy).
     # False: lossless rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
@@ -61,8 +81,9 @@ class SpeculativeConfig:
     tree_max_tokens: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("num_draft_tokens", "min_ngram", "max_ngram", "tree_top_k", "tree_max_tokens"):
-            self._set(name, integer(getattr(self, name), name, low=1))
+        for name, high in (("num_draft_tokens", MAX_DRAFT_TOKENS), ("min_ngram", MAX_NGRAM), ("max_ngram", MAX_NGRAM),
+                           ("tree_top_k", MAX_TREE_TOP_K), ("tree_max_tokens", MAX_TREE_TOKENS)):
+            self._set(name, at_most(integer(getattr(self, name), name, low=1), name, high))
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"n-gram sizes need min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
                              f"max_ngram={self.max_ngram}")
@@ -96,7 +117,7 @@ class SpeculativeConfig:
     @property
     def sampling(self) -> bool:
         """Whether output tokens are sampled (False means greedy, target argmax)."""
-        return not self.greedy_verification and self.main_temperature > 0
+        return not self.greedy_verification and self.main_temperature >= MIN_TEMPERATURE
 
 
 def is_real(value) -> bool:
@@ -115,6 +136,13 @@ def integer(value, name: str, low: int, high: int | None = None, none_allowed: b
         raise ValueError(f"{name} must be {allowed if none_allowed or high is not None else f'>= {low}'}, "
                          f"got {value}")
     return int(value)
+
+
+def at_most(value: int, name: str, bound: int) -> int:
+    """`value`, unless it passes the upper bound of its setting (the MAX_ constants above)."""
+    if value > bound:
+        raise ValueError(f"{name} is {value}, above its upper bound of {bound}: allowed at most {bound}")
+    return value
 
 
 def as_config(config) -> SpeculativeConfig:

@@ -22,8 +22,13 @@ from .inputs import row_seeds as checked_row_seeds
 from .models.base import prefill
 from .proposers import as_proposer
 from .rows import SamplingParams
-from .sampling import make_generators, probabilities, sample
+from .sampling import NonFiniteLogits, make_generators, non_finite_rows, probabilities, sample
 from .stats import DecodeStats
+
+
+class GenerationError(RuntimeError):
+    """A prompt could not be generated to its end: the message says which and why (the
+    engine's error, e.g. a model's non-finite logits, or an exception in a step)."""
 
 
 def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) -> list[int | None]:
@@ -98,6 +103,8 @@ class SpeculativeDecoder:
             for output in engine.step():
                 if output.new_token_ids:
                     yield output.request_id, output.new_token_ids
+                if output.finish_reason == "error":
+                    raise GenerationError(output.error)
 
 
 def autoregressive_generate(model, prompt_ids, max_new_tokens, config: SpeculativeConfig | None = None,
@@ -132,6 +139,9 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
                 active, last = [active[i] for i in keep], [last[i] for i in keep]
                 generators = [generators[i] for i in keep]
             logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
+            bad = non_finite_rows(logits)
+            if bad:
+                raise NonFiniteLogits("target", [active[i] for i in bad])  # named as prompts
             if config.sampling:
                 tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
                                 generators).tolist()

@@ -19,6 +19,11 @@ Glossary (one name per concept, here and in rows.py, proposers/ and adaptive.py)
 - commit: a row's sequence grows by what it keeps; both sides roll back to it.
 - retire: a finished row leaves ("length", "stop" or "abort"); its slot is refilled at the
   next step.
+- failure: a phase that raises ends requests with "error", never loses them (`_fail`). A
+  request that fails to join ends alone; a model's non-finite logits end the rows they
+  belong to; anything else ends every running row, as its cause cannot be told. The rows
+  that go on are restarted: the state is dropped and they are read again from their
+  prompt and output, so the engine is consistent whatever the phase left half done.
 
 - tree: a draft that branches (tree.py, `tree_top_k` > 1): lookup sources draft trees, a
   draft model or head expands one (EAGLE-2); one target forward verifies every row's tree,
@@ -41,13 +46,13 @@ from typing import Callable, Hashable
 import torch
 
 from .adaptive import AdaptivePolicy, FixedPolicy
-from .config import SpeculativeConfig, as_config
+from .config import MAX_BATCH_SIZE, SpeculativeConfig, as_config, at_most
 from .costs import cost_book, measure
 from .inputs import check_draft, check_model, normalize_prompts
 from .models.base import prefill
 from .proposers import as_proposer, merge_drafts
 from .rows import RequestOutput, Row, SamplingParams
-from .sampling import GREEDY, Sampler
+from .sampling import GREEDY, NonFiniteLogits, Sampler, check_finite
 from .stats import DecodeStats, RequestStats
 from .text import same_vocabulary
 from .tree import Tree, can_branch, tree_inputs
@@ -94,6 +99,8 @@ class Engine:
     Greedy requests get exactly the target's own greedy tokens, sampled ones exactly its
     distribution, whatever else runs beside them. `policy` and `totals` (a function giving
     a DecodeStats) let several engines learn and count together, as a decoder's do.
+    Every request added ends: with its tokens, or with finish reason "error" and an
+    `error` that names the cause (`step` itself does not raise for a request's failure).
     """
 
     def __init__(self, target, draft=None, config: SpeculativeConfig | None = None, max_batch_size: int = 8, *,
@@ -102,6 +109,7 @@ class Engine:
         self.config = config = as_config(config)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        at_most(max_batch_size, "max_batch_size", MAX_BATCH_SIZE)
         check_model(target, "target")
         if draft is not None:
             check_draft(draft)
@@ -214,21 +222,11 @@ class Engine:
         outputs: list[tuple[int, RequestOutput]] = []
         with torch.inference_mode():
             self._admit(stats, outputs)                                          # 1 admit
-            rows = self.running
-            if rows and self.trees:
-                self._tree_step(rows, stats, outputs)                                # 2-5 as a tree
-                self._retire({i for i, row in enumerate(rows) if row.finished})      # 6 retire
-            elif rows:
-                sequences = [row.sequence for row in rows]
-                policy, caps, lookups, preferred, plan = self._plan(rows, sequences, stats)           # 2 plan
-                proposal, limits, ran, draft_seconds = self._draft(sequences, caps, lookups, preferred, plan,
-                                                                   stats)                              # 3 draft
-                accepted, extra, hidden, verify_seconds = self._verify(rows, proposal, stats)         # 4 verify
-                self._commit(rows, proposal, accepted, extra, hidden, ran, stats, outputs)             # 5 commit
-                with LEARNING:
-                    policy.observe_step(len(rows), proposal, limits, accepted, verify_seconds, proposal.forwards,
-                                        draft_seconds, preferred)
-                self._retire({i for i, row in enumerate(rows) if row.finished})                       # 6 retire
+            if self.running:
+                try:
+                    self._advance(self.running, stats, outputs)                  # 2-6
+                except Exception as error:  # noqa: BLE001 - every request must end, whatever failed
+                    self._recover(error, outputs)
         stats.total_seconds = self.clock() - started
         self.stats.add(stats)
         if self.totals is not None:
@@ -236,30 +234,64 @@ class Engine:
                 self.totals().add(stats)
         return [output for _, output in sorted(outputs, key=lambda pair: pair[0])]
 
+    def _advance(self, rows: list[Row], stats: DecodeStats, outputs: list) -> None:
+        """Phases 2-6 of a step over the running rows."""
+        if self.trees:
+            self._tree_step(rows, stats, outputs)                                # 2-5 as a tree
+        else:
+            sequences = [row.sequence for row in rows]
+            policy, caps, lookups, preferred, plan = self._plan(rows, sequences, stats)           # 2 plan
+            proposal, limits, ran, draft_seconds = self._draft(sequences, caps, lookups, preferred, plan,
+                                                               stats)                              # 3 draft
+            accepted, extra, hidden, verify_seconds = self._verify(rows, proposal, stats)         # 4 verify
+            self._commit(rows, proposal, accepted, extra, hidden, ran, stats, outputs)             # 5 commit
+            with LEARNING:
+                policy.observe_step(len(rows), proposal, limits, accepted, verify_seconds, proposal.forwards,
+                                    draft_seconds, preferred)
+        self._retire({i for i, row in enumerate(rows) if row.finished})                          # 6 retire
+
     def _admit(self, stats: DecodeStats, outputs: list) -> None:
         """Aborted requests leave; waiting ones fill the free rows, their prompts read in
-        one target forward and their state rows added to the running state."""
-        if self._aborts:
-            for row in [r for r in self.waiting if r.request_id in self._aborts]:
-                self.waiting.remove(row)
-                self._finish(row, "abort", outputs)
-            leaving = {i for i, row in enumerate(self.running) if row.request_id in self._aborts}
-            for i in sorted(leaving):
-                self._finish(self.running[i], "abort", outputs)
-            self._retire(leaving)
-            self._aborts.clear()
+        one target forward and their state rows added to the running state. Rows that
+        cannot join end with "error"; the running ones are restarted (`_restart`)."""
+        try:
+            self._drop_aborted(outputs)
+        except Exception as error:  # noqa: BLE001 - leaving rows could not be dropped from the state
+            self._recover(error, outputs)
         joining = []
         while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
             row = self.waiting.popleft()
-            if row.budget == 0:
+            if row.left == 0:
                 self._finish(row, "length", outputs)
             else:
                 joining.append(row)
         if not joining:
             return
+        try:
+            self._join(joining, stats)
+        except Exception as error:  # noqa: BLE001 - a failed join must not leave its rows half in
+            for row in joining:
+                self._fail(row, f"it could not join the batch: {describe(error)}", outputs)
+            self._restart(self.running)
+
+    def _drop_aborted(self, outputs: list) -> None:
+        if not self._aborts:
+            return
+        for row in [r for r in self.waiting if r.request_id in self._aborts]:
+            self.waiting.remove(row)
+            self._finish(row, "abort", outputs)
+        leaving = {i for i, row in enumerate(self.running) if row.request_id in self._aborts}
+        self._aborts.clear()
+        for i in sorted(leaving):
+            self._finish(self.running[i], "abort", outputs)
+        self._retire(leaving)
+
+    def _join(self, joining: list[Row], stats: DecodeStats) -> None:
+        """Prefill the joining rows and add them to the target's and the proposer's state.
+        Restarted rows join the same way, their output so far read as part of the prompt."""
         started = self.clock()
         prompts = [row.sequence for row in joining]
-        capacity = max(len(p) + row.budget for p, row in zip(prompts, joining)) + self.width + 1
+        capacity = max(len(p) + row.left for p, row in zip(prompts, joining)) + self.width + 1
         hidden = [] if self.reads_features else None
         if self.state is None:
             self.state = prefill(self.target, prompts, capacity, hidden)
@@ -328,6 +360,7 @@ class Engine:
         tokens = torch.cat([last, proposal.tokens], 1)
         logits, hidden = self._target_forward(tokens)  # (B, K+1, V), (B, K+1, H) or None
         stats.target_forward_seconds += self.clock() - started
+        check_finite(logits, "target", [1 + n for n in proposal.lengths])
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
         seconds = self.clock() - started
@@ -389,6 +422,7 @@ class Engine:
         tokens, positions, mask, counts = tree_inputs(trees, [seq[-1] for seq in sequences], starts,
                                                       self.target.device)
         logits, hidden = self._target_forward(tokens, counts, positions=positions, tree=mask)  # (B, 1+N, V)
+        check_finite(logits, "target", counts)
         verify_seconds = self.clock() - started
         stats.target_forward_seconds += verify_seconds
         # Every node is a deterministic candidate (lookup branches, a draft's top-k children).
@@ -415,6 +449,36 @@ class Engine:
         if max(limits) > 0:
             self.proposer.commit([row.sequence for row in rows])
 
+    def _recover(self, error: Exception, outputs: list) -> None:
+        """A phase of the step raised. Non-finite logits end the rows they came from; anything
+        else ends every running row (which one caused it cannot be told, and going on could
+        fail the same way forever). Rows that already finished this step keep their ending;
+        the others go on from a fresh state."""
+        rows = self.running
+        if isinstance(error, NonFiniteLogits) and error.rows:
+            bad = set(error.rows)
+            why = f"the {error.role} model gave non-finite logits (NaN or infinity) for it; its weights or " \
+                  "configuration are broken (e.g. NaN weights, rms_norm_eps NaN or negative)"
+        else:
+            bad, why = set(range(len(rows))), f"the engine failed during a step: {describe(error)}"
+        survivors = []
+        for i, row in enumerate(rows):
+            if row.finished:
+                continue
+            if i in bad:
+                self._fail(row, why, outputs)
+            else:
+                survivors.append(row)
+        self._restart(survivors)
+
+    def _restart(self, rows: list[Row]) -> None:
+        """Drop the target's state and the proposer's rows (whatever a failed phase left in
+        them); `rows` wait at the front of the queue and join again, their prompt and output
+        read as their prompt: the same tokens follow (greedy), as a joining row's do."""
+        self.running, self.state = [], None
+        self.proposer = self.proposer.fork()
+        self.waiting.extendleft(reversed(rows))
+
     def _retire(self, leaving: set[int]) -> None:
         """Finished rows leave the batch and stop costing compute."""
         if not leaving:
@@ -424,10 +488,14 @@ class Engine:
         self.proposer.select_rows(order)
         self.running = [self.running[i] for i in order]
 
-    def _finish(self, row: Row, reason: str, outputs: list) -> None:
+    def _finish(self, row: Row, reason: str, outputs: list, error: str | None = None) -> None:
         row.finish_reason = reason
-        outputs.append((row.number, RequestOutput(row.request_id, [], True, reason)))
+        outputs.append((row.number, RequestOutput(row.request_id, [], True, reason, error)))
         self._forget(row)
+
+    def _fail(self, row: Row, why: str, outputs: list) -> None:
+        """End a request that cannot go on, saying why (finish reason "error")."""
+        self._finish(row, "error", outputs, f"request {row.request_id!r} failed: {why}")
 
     def _forget(self, row: Row) -> None:
         """A finished request: only its stats stay (the last KEPT_STATS of them)."""
@@ -435,3 +503,7 @@ class Engine:
         self._finished[row.request_id] = row.stats
         if len(self._finished) > KEPT_STATS:
             self._finished.popitem(last=False)
+
+
+def describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numbers
 import os
 
+import numpy as np
 import torch
 
-from .config import MAX_SEED
+from .config import MAX_BATCH_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, at_most
 
 # What a target or draft model provides (speculative.models.base), and what a proposer does.
 MODEL_NEEDS = ("vocab_size", "max_seq_len", "device", "new_state", "forward", "rollback", "select_rows")
@@ -51,30 +52,62 @@ def check_draft(draft) -> None:
 def normalize_prompts(prompt_ids) -> tuple[list[list[int]], bool]:
     """Return (prompts, batched): a list of token-id lists, and whether a batch was given.
 
-    Accepts a list/tuple of ints or a 1-D integer tensor (one prompt), or a list of those
-    or a 2-D integer tensor (a batch).
+    Accepts a list/tuple of ints or a 1-D integer tensor or numpy array (one prompt), or a
+    list of those or a 2-D integer tensor or array (a batch): at most MAX_BATCH_SIZE
+    prompts of at most MAX_PROMPT_TOKENS tokens each.
     """
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dtype == torch.bool:
-            raise ValueError(f"prompt token ids must be integers, got a tensor of {prompt_ids.dtype}")
-        if prompt_ids.dim() == 1:
-            return [_token_list(prompt_ids.tolist(), "prompt")], False
-        if prompt_ids.dim() == 2:
-            if prompt_ids.shape[0] == 0:
-                raise ValueError(f"the batch is empty: a prompt tensor of shape {tuple(prompt_ids.shape)} holds "
-                                 "no prompts; give at least one row")
-            return [_token_list(row, f"prompt {i}") for i, row in enumerate(prompt_ids.tolist())], True
-        raise ValueError(f"a prompt tensor must be 1-D (one prompt) or 2-D (a batch), got shape "
-                         f"{tuple(prompt_ids.shape)}")
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
+    if isinstance(prompt_ids, (torch.Tensor, np.ndarray)):
+        prompts, batched = _array_prompts(prompt_ids)
+    elif isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (list, tuple)):
         raise ValueError("prompt_ids must be a list of token ids (ints), a list of such lists, or an "
-                         f"integer tensor; got {type(prompt_ids).__name__}")
-    if len(prompt_ids) == 0:
+                         f"integer tensor or numpy array; got {type(prompt_ids).__name__}")
+    elif len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token id (or at least one prompt)")
-    if all(isinstance(row, (list, tuple, torch.Tensor)) for row in prompt_ids):
-        rows = [row.tolist() if isinstance(row, torch.Tensor) else row for row in prompt_ids]
-        return [_token_list(row, f"prompt {i}") for i, row in enumerate(rows)], True
-    return [_token_list(prompt_ids, "prompt")], False
+    elif all(isinstance(row, (list, tuple, torch.Tensor, np.ndarray)) for row in prompt_ids):
+        rows = [_array_row(row, f"prompt {i}") for i, row in enumerate(prompt_ids)]
+        prompts, batched = [_token_list(row, f"prompt {i}") for i, row in enumerate(rows)], True
+    else:
+        prompts, batched = [_token_list(prompt_ids, "prompt")], False
+    if len(prompts) > MAX_BATCH_SIZE:
+        raise ValueError(f"a batch of {len(prompts)} prompts is more than one call takes: allowed at most "
+                         f"{MAX_BATCH_SIZE}; split it")
+    return prompts, batched
+
+
+def _array_prompts(array) -> tuple[list[list[int]], bool]:
+    """A 1-D (one prompt) or 2-D (a batch) integer tensor or numpy array as token lists."""
+    _check_integer_array(array, "prompt token ids")
+    if array.ndim == 1:
+        return [_token_list(array.tolist(), "prompt")], False
+    if array.ndim == 2:
+        if array.shape[0] == 0:
+            raise ValueError(f"the batch is empty: a prompt {_kind(array)} of shape {tuple(array.shape)} holds "
+                             "no prompts; give at least one row")
+        return [_token_list(row, f"prompt {i}") for i, row in enumerate(array.tolist())], True
+    raise ValueError(f"a prompt {_kind(array)} must be 1-D (one prompt) or 2-D (a batch), got shape "
+                     f"{tuple(array.shape)}")
+
+
+def _array_row(row, name: str):
+    """One prompt of a list: a tensor or array becomes a list, after its dtype is checked."""
+    if isinstance(row, (torch.Tensor, np.ndarray)):
+        _check_integer_array(row, f"{name}'s token ids")
+        if row.ndim != 1:
+            raise ValueError(f"{name} must be a 1-D {_kind(row)} of token ids, got shape {tuple(row.shape)}")
+        return row.tolist()
+    return row
+
+
+def _check_integer_array(array, name: str) -> None:
+    if isinstance(array, np.ndarray):
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be integers, got a numpy array of {array.dtype}")
+    elif array.is_floating_point() or array.is_complex() or array.dtype == torch.bool:
+        raise ValueError(f"{name} must be integers, got a tensor of {array.dtype}")
+
+
+def _kind(array) -> str:
+    return "numpy array" if isinstance(array, np.ndarray) else "tensor"
 
 
 def _token_list(row, name: str) -> list[int]:
@@ -82,6 +115,8 @@ def _token_list(row, name: str) -> list[int]:
         raise ValueError(f"{name} must be a list of token ids, got {type(row).__name__}")
     if len(row) == 0:
         raise ValueError(f"{name} is empty: a prompt needs at least one token id")
+    if len(row) > MAX_PROMPT_TOKENS:
+        raise ValueError(f"{name} has {len(row)} tokens: allowed at most {MAX_PROMPT_TOKENS} per prompt")
     for token in row:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise ValueError(f"{name} holds {token!r} ({type(token).__name__}); token ids must be integers")
@@ -104,6 +139,7 @@ def normalize_max_new(max_new_tokens, batch: int) -> list[int]:
     for value in values:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {value!r}")
+        at_most(value, "max_new_tokens", MAX_NEW_TOKENS)
     return [int(v) for v in values]
 
 

@@ -10,12 +10,13 @@ from typing import Hashable
 
 import torch
 
-from .sampling import GREEDY, Sampler, make_generators
+from .config import MAX_NEW_TOKENS, at_most
+from .sampling import GREEDY, MIN_TEMPERATURE, Sampler, make_generators
 from .stats import RequestStats
 
 # Seeds torch.Generator.manual_seed accepts.
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
-FINISH_REASONS = ("length", "stop", "abort")
+FINISH_REASONS = ("length", "stop", "abort", "error")
 
 
 def _integer(value) -> bool:
@@ -33,7 +34,8 @@ class SamplingParams:
     # Most new tokens the request may get (its budget).
     max_new_tokens: int = 128
     # 0 is greedy (the target's argmax, token-identical to plain decoding); above 0,
-    # sampling from the target's distribution at this temperature.
+    # sampling from the target's distribution at this temperature (below MIN_TEMPERATURE,
+    # about 1.2e-38, greedy too: what sampling tends to as the temperature falls).
     temperature: float = 0.0
     # When sampling: only the k most likely tokens (None: all).
     top_k: int | None = None
@@ -48,6 +50,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _integer(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        at_most(self.max_new_tokens, "max_new_tokens", MAX_NEW_TOKENS)
         if not _number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
@@ -75,7 +78,7 @@ class SamplingParams:
     @property
     def sampler(self) -> Sampler:
         """The target's p for this request."""
-        return GREEDY if self.temperature == 0 else Sampler(self.temperature, self.top_k, self.top_p)
+        return GREEDY if self.temperature < MIN_TEMPERATURE else Sampler(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -86,8 +89,10 @@ class RequestOutput:
     # Tokens committed this step (empty when the request only finished, e.g. aborted).
     new_token_ids: list[int]
     finished: bool = False
-    # "length" (its budget is spent), "stop" (a stop token) or "abort"; None while running.
+    # "length" (its budget is spent), "stop" (a stop token), "abort", or "error" (the engine
+    # could not go on with it: `error` says why); None while running.
     finish_reason: str | None = None
+    error: str | None = None
 
 
 def draft_seed(seed: int | None) -> int | None:

@@ -10,6 +10,38 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below the smallest normal float32 cannot divide float32 logits (they round
+# to 0 or lose their digits); they sample what their limit samples, the argmax: greedy.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
+
+class NonFiniteLogits(ValueError):
+    """A model gave NaN or infinite logits for some rows: no token can be chosen there."""
+
+    def __init__(self, role: str, rows: list[int]):
+        super().__init__(f"the {role} model gave non-finite logits (NaN or infinity) for batch row(s) {rows}; "
+                         "its weights or configuration are broken (e.g. NaN weights, rms_norm_eps NaN or negative)")
+        self.role, self.rows = role, rows
+
+
+def non_finite_rows(logits: torch.Tensor, counts: list[int] | None = None) -> list[int]:
+    """Rows b of logits (B, T, V) or (B, V) whose first counts[b] positions hold NaN or +inf,
+    or no finite value (-inf alone marks a token impossible, which a model may do)."""
+    if bool(torch.isfinite(logits).all()):
+        return []
+    logits = logits if logits.dim() == 3 else logits[:, None]
+    bad = (logits.isnan() | (logits == float("inf"))).any(-1) | ~torch.isfinite(logits).any(-1)  # (B, T)
+    if counts is not None:
+        bad &= torch.arange(bad.shape[1], device=bad.device)[None] < torch.tensor(counts, device=bad.device)[:, None]
+    return bad.any(-1).nonzero().flatten().tolist()
+
+
+def check_finite(logits: torch.Tensor, role: str, counts: list[int] | None = None) -> None:
+    """Raise NonFiniteLogits naming the rows whose logits cannot give a token."""
+    rows = non_finite_rows(logits, counts)
+    if rows:
+        raise NonFiniteLogits(role, rows)
+
 
 @dataclass(frozen=True)
 class Sampler:
@@ -21,7 +53,7 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         return probabilities(logits, self.temperature, self.top_k, self.top_p)
@@ -50,22 +82,30 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = 
                   top_p: float | None = None) -> torch.Tensor:
     """Turn logits (..., V) into a distribution (..., V) in float32.
 
-    Temperature 0 gives a one-hot distribution on the argmax, so greedy drafting and
-    greedy targets go through the same rejection rule as sampled ones.
+    Temperature 0 (or below MIN_TEMPERATURE) gives a one-hot distribution on the argmax, so
+    greedy drafting and greedy targets go through the same rejection rule as sampled ones.
+    Any other temperature is exact: the largest logit is subtracted first, so a tiny
+    temperature sends the others to -inf (probability 0) instead of overflowing to NaN.
     """
-    logits = logits.float()
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
+    raw = logits.float()
+    if temperature < MIN_TEMPERATURE:
+        return torch.nn.functional.one_hot(raw.argmax(-1), raw.shape[-1]).float()
+    logits = (raw - raw.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # Ranked by the logits before scaling: a huge temperature can round distinct logits
+        # to one value, and the largest must still come first.
+        order = raw.masked_fill(logits == float("-inf"), float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        sorted_logits = logits.gather(-1, order)
         sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already reach top_p.
+        # Drop a token when the tokens ranked above it already reach top_p; the top token
+        # always stays (the smallest set reaching any top_p > 0 holds it, even when top_p
+        # rounds to 0 in float32).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
@@ -79,6 +119,10 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator], active: list[
     Rows that are not `active` draw nothing from their generator (their token is padding).
     """
     cdf = probs.double().cumsum(-1)  # (B, V)
+    usable = (cdf[:, -1] > 0) & torch.isfinite(cdf[:, -1])
+    if not bool(usable.all()):  # never a silent token 0
+        raise ValueError(f"cannot sample: the distributions of batch rows {(~usable).nonzero().flatten().tolist()} "
+                         "have no probability mass or are not finite")
     counts = [1] * len(generators) if active is None else [int(a) for a in active]
     u = uniform(counts, 1, generators, probs.device).double() * cdf[:, -1:]  # (B, 1)
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1)

@@ -216,7 +216,10 @@ def can_branch(target, proposer, top_k: int) -> bool:
         why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
                "one forward)")
     elif not getattr(proposer, "branches", False):
-        why = f"the draft {type(proposer).__name__} drafts chains only"
+        model = getattr(proposer, "model", None)
+        why = (f"the draft {type(proposer).__name__} drafts chains only" if model is None else
+               f"the draft model {type(model).__name__} cannot read token trees (recurrent models cannot branch in "
+               "one forward)")
     if why is None:
         return True
     warnings.warn(f"tree_top_k={top_k}: {why}; this engine drafts chains", UserWarning, stacklevel=3)

@@ -21,7 +21,12 @@ limits[b], at most top_k children per node and max_nodes nodes; empty for a draf
 alone) and whether it is preferred, as `free_drafts`; with a model, also
 `propose_tree(sequences, limits, top_k, max_nodes)`: the model's tree per row (empty where
 limits[b] is 0), its nodes deterministic candidates, then `commit` as after `propose`. One
-without `branches` drafts chains, and an engine asked for trees says so when it is made.
+without `branches` drafts chains, and an engine asked for trees says so when it is made
+(a draft model proposer branches only when its model reads trees, i.e. has `compact`).
+
+A draft model whose logits are NaN or infinite for some rows raises
+`sampling.NonFiniteLogits` naming them (`sampling.check_finite`): the engine ends those
+requests with an error, never drafting from garbage.
 
 Rows join with `add_rows(prompts, capacity, samplers, generators)` (the draft's sampling
 settings and random stream per row) and leave with `select_rows(rows)`. `fork()` gives a

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from ..models.base import pad, prefill
-from ..sampling import Sampler, row_probabilities, sample
+from ..sampling import Sampler, check_finite, row_probabilities, sample
 from ..tree import Tree, expand_tree
 from .base import Proposal
 
@@ -74,7 +74,12 @@ class DraftModelProposer:
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
         return [[] for _ in sequences], [False] * len(sequences)
 
-    branches = True  # its own trees (propose_tree); it has no free ones
+    @property
+    def branches(self) -> bool:
+        """Its own trees (propose_tree; it has no free ones) need a draft model that reads a
+        tree in one forward: one with `compact`, as the model protocol says. A recurrent
+        draft (S4D) drafts chains."""
+        return callable(getattr(self.model, "compact", None))
 
     def free_trees(self, sequences, limits, top_k, max_nodes):
         return [Tree([], []) for _ in sequences], [False] * len(sequences)
@@ -98,6 +103,7 @@ class DraftModelProposer:
         the first token the draft gives less than that probability, and drafting stops once
         every row has stopped; the confidences are then reported for the adaptive policy."""
         logits = self._root_logits(sequences)  # (B, V) or (B, N)
+        check_finite(logits, "draft")
         forwards = 1
         samplers = self.samplers
         sampling = any(not s.greedy for s in samplers)
@@ -107,6 +113,7 @@ class DraftModelProposer:
         for i in range(max(limits)):
             if i:
                 logits = self._run(tokens[-1][:, None])[:, -1]
+                check_finite(logits, "draft")
                 forwards += 1
             if sampling:  # greedy rows get a one-hot q and draw nothing from their stream
                 q = row_probabilities(logits, samplers)
@@ -135,9 +142,15 @@ class DraftModelProposer:
         (`tree.expand_tree`). Its nodes are deterministic candidates (q one-hot), which the
         tree rule for top-k children verifies exactly, sampled rows included."""
         root = self._root_logits(sequences)
+        check_finite(root, "draft")
         # The nodes read are no prefix of anything: commit keeps no drafted token.
         self._drafted, self._tokens = 0, torch.zeros(len(sequences), 0, dtype=torch.long)
-        return expand_tree(root, self._tree_forward, limits, top_k, max_nodes, self._committed, self.vocab)
+        return expand_tree(root, self._checked_tree_forward, limits, top_k, max_nodes, self._committed, self.vocab)
+
+    def _checked_tree_forward(self, *layer) -> torch.Tensor:
+        logits = self._tree_forward(*layer)  # (B, k, V): every row reads k nodes, none padding
+        check_finite(logits, "draft")
+        return logits
 
     def _root_logits(self, sequences: list[list[int]]) -> torch.Tensor:
         """Read what the draft has not seen of each row; its logits (B, V) (or (B, N) with

@@ -24,6 +24,7 @@ from .draft_model import DraftModelProposer
 
 class HeadProposer(DraftModelProposer):
     reads_features = True
+    branches = True  # a head reads a tree layer in one forward (its `tree` mask)
 
     def __init__(self, head, target):
         head.check_target(target)

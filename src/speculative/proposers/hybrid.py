@@ -41,7 +41,10 @@ class HybridProposer:
         drafts, matched = self.ngram.lookup(sequences, limits)
         return drafts, [n >= self.min_match for n in matched]
 
-    branches = True  # lookup trees in front of the draft model's trees
+    @property
+    def branches(self) -> bool:
+        """Lookup trees in front of the draft model's trees, when its model can branch."""
+        return self.drafter.branches
 
     def free_trees(self, sequences: list[list[int]], limits: list[int], top_k: int, max_nodes: int):
         """Per row: the lookup's tree, and whether its match is long enough to be preferred."""

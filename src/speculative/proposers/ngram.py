@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+from ..config import MAX_DRAFT_TOKENS, MAX_NGRAM, at_most
 from ..models.base import pad
 from ..tree import Tree, from_branches
 from .base import Proposal
@@ -78,6 +79,9 @@ class NGramProposer:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if num_draft_tokens < 1 or min_draft < 1:
             raise ValueError(f"num_draft_tokens and min_draft must be >= 1, got {num_draft_tokens}, {min_draft}")
+        for name, value, bound in (("max_ngram", max_ngram, MAX_NGRAM), ("num_draft_tokens", num_draft_tokens,
+                                    MAX_DRAFT_TOKENS), ("min_draft", min_draft, MAX_DRAFT_TOKENS)):
+            at_most(value, name, bound)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens, self.min_draft = num_draft_tokens, min_draft
         self.rows: list[_RowIndex] = []

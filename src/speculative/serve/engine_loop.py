@@ -155,6 +155,10 @@ class EngineLoop:
             if output.finished:
                 del self.tracked[request_id]
             return
+        if output.finish_reason == "error":  # the engine could not go on with it: say why
+            del self.tracked[request_id]
+            self.metrics.requests.labels("error").inc()
+            return self._send(t.job, Event("error", t.index, error=APIError(500, output.error, code="engine_error")))
         tokens, stopped = [], False
         stop_token = output.finish_reason == "stop"  # the engine ends at a stop token, kept out of the text
         for i, token in enumerate(output.new_token_ids):
