@@ -93,7 +93,7 @@ def test_bad_records_get_errors_and_the_others_succeed(tmp_path, capsys):
         "no-prompt": ({"id": "no-prompt", "max_tokens": 4}, "needs either \"prompt\""),
         "wrong-type": ({"id": "wrong-type", "prompt": 5}, "\"prompt\" must be a string or a list of token ids"),
         "too-long": ({"id": "too-long", "prompt": [1] * 500, "max_tokens": 20},
-                     "exceed the target model's maximum length of 512"),
+                     "exceed the models' maximum length of 512"),
         "out-of-range": ({"id": "out-of-range", "prompt": [1, 99999]}, "token id 99999, outside the vocabulary"),
         "budget": ({"id": "budget", "prompt": "x", "max_tokens": "ten"}, "\"max_tokens\" must be an integer"),
         "temperature": ({"id": "temperature", "prompt": "x", "temperature": -1}, "\"temperature\" must be"),
@@ -178,6 +178,7 @@ def test_messages_go_through_the_chat_template(pair):
         request_of({"id": 1, "messages": [{"role": "user"}]}, tokenizer, ModelSpec())
 
 
+@pytest.mark.slow  # long end to end: a real job killed, then run again
 def test_resume_after_a_killed_job_writes_every_id_once(tmp_path):
     """A real job killed (SIGKILL) after a few records, a partly written line left behind,
     then the same command again: every id exactly once, as an uninterrupted job gives."""

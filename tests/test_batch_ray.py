@@ -25,6 +25,8 @@ from test_batch_job import alone, pair, read_output, records, write_jsonl  # noq
 from test_cli_errors import command, environment  # noqa: E402
 
 RAY = Path(sys.executable).with_name("ray")
+# Real Ray clusters take many seconds to start; test_batch_job.py checks the same records in one process.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

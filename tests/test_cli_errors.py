@@ -163,21 +163,21 @@ def test_a_pipe_works_as_prompt_file():
 
 # --- options ------------------------------------------------------------------------------
 
-def test_k_beyond_the_models_length_is_refused():
-    refused(speculative("generate", "-k", "1000"), "--num-draft-tokens (-k) is 1000", "holds 512",
-            "allowed K <= 511")
+def test_k_beyond_its_bound_is_refused_with_the_bound():
+    refused(speculative("generate", "-k", "1000"), "--num-draft-tokens/-k", "must be an integer in 1..64",
+            "got 1000")
 
 
 @pytest.mark.parametrize("args, words", [
     (["--temperature", "inf"], ["argument --temperature: must be a finite number >= 0, got 'inf'"]),
     (["--temperature", "nan"], ["--temperature", "'nan'"]),
     (["--draft-temperature", "-1"], ["--draft-temperature", "'-1'"]),
-    (["--max-new-tokens", "abc"], ["argument --max-new-tokens: must be an integer >= 0, got 'abc'"]),
+    (["--max-new-tokens", "abc"], ["argument --max-new-tokens: must be an integer in 0..1048576, got 'abc'"]),
     (["--seed", "-3"], ["argument --seed: must be an integer >= 0, got -3"]),
     (["--seed", str(2 ** 64)], ["seed must be None or an integer in 0..18446744073709551615"]),
-    (["--batch-size", "0"], ["argument --batch-size: must be an integer >= 1, got 0"]),
-    (["--tree-top-k", "0"], ["argument --tree-top-k: must be an integer >= 1, got 0"]),
-    (["--tree-max-tokens", "x"], ["argument --tree-max-tokens: must be an integer >= 1, got 'x'"]),
+    (["--batch-size", "0"], ["argument --batch-size: must be an integer in 1..65536, got 0"]),
+    (["--tree-top-k", "0"], ["argument --tree-top-k: must be an integer in 1..32, got 0"]),
+    (["--tree-max-tokens", "x"], ["argument --tree-max-tokens: must be an integer in 1..256, got 'x'"]),
     (["--device", "nonsense"], ["--device 'nonsense' is not a torch device; allowed: cpu, cuda"]),
     (["--device", "meta"], ["--device 'meta' holds no weights"]),
 ])
@@ -231,7 +231,7 @@ def test_bench_without_matplotlib_refuses_plot_before_running(tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--max-new-tokens", "0"], ["argument --max-new-tokens: must be an integer >= 1, got 0"]),
+    (["--max-new-tokens", "0"], ["argument --max-new-tokens: must be an integer in 1..1048576, got 0"]),
     (["--runs", "0"], ["argument --runs: must be an integer >= 1, got 0"]),
     (["--k", "abc"], ["argument --k: must be positive integers separated by commas", "'abc'"]),
     (["--k", "1,0"], ["argument --k", "'1,0'"]),

@@ -493,7 +493,7 @@ def test_sigterm_while_streaming():
     (["--draft", "none", "--ngram-max", "3"], ["--ngram-min/--ngram-max", "none"]),
     (["--max-body-bytes", "10"], ["--max-body-bytes", "1024"]),
     (["--chat-template", "/no/such/template.jinja"], ["--chat-template", "not a file"]),
-    (["--max-batch-size", "0"], ["--max-batch-size", ">= 1"]),
+    (["--max-batch-size", "0"], ["--max-batch-size", "in 1..65536"]),
 ])
 def test_bad_options_are_one_line(args, words, capsys):
     from speculative.cli import main

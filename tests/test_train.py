@@ -14,6 +14,7 @@ TINY = ["--max-files", "12", "--vocab-size", "300", "--seq-len", "32", "--batch-
         "--verifier-size", "32x1x2", "--draft-size", "16x1x2", "--s4d-size", "16x1x4", "--eval-prompts", "2"]
 
 
+@pytest.mark.slow  # long end to end: two training runs
 def test_train_end_to_end_then_resume(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--max-minutes", "0.15", *TINY]) == 0

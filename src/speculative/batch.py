@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterable, Iterator
 
+from .config import MAX_NEW_TOKENS
 from .rows import SEED_RANGE, SamplingParams
 
 # Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored.
@@ -61,6 +62,7 @@ class ModelSpec:
     def check(self) -> "ModelSpec":
         """A copy with the defaults resolved and the options checked, before any model loads."""
         from .cli import LOOKUPS, ngram_sizes
+        from .cli_checks import check_draft_options
         from .inputs import check_device
         from .loading import PARTNERS
 
@@ -69,6 +71,7 @@ class ModelSpec:
         spec = replace(self, checked=True)
         check_device(spec.device, "--device")
         spec.draft = spec.draft or PARTNERS.get(spec.target, "ngram")
+        check_draft_options(spec, spec.draft)
         ngram_sizes(spec, spec.draft)
         if spec.num_draft_tokens is None:
             spec.num_draft_tokens = 10 if spec.draft in LOOKUPS else 4
@@ -103,8 +106,10 @@ def _json(value) -> str:
     return json.dumps(value, default=repr)[:80]
 
 
-def request_of(record: dict, tokenizer, spec: ModelSpec) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
-    """(prompt ids, sampling params, stop strings) of one record; ValueError says what is wrong."""
+def request_of(record: dict, tokenizer, spec: ModelSpec,
+               context: int | None = None) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    """(prompt ids, sampling params, stop strings) of one record; ValueError says what is wrong,
+    in the record's own terms. `context`: the most tokens, prompt and output, the models hold."""
     has = {key: record.get(key) is not None for key in ("prompt", "messages", *FIELDS)}  # null = left out
     if has["prompt"] == has["messages"]:
         raise ValueError("a record needs either \"prompt\" (text or token ids) or \"messages\" (a chat), "
@@ -122,8 +127,12 @@ def request_of(record: dict, tokenizer, spec: ModelSpec) -> tuple[list[int], Sam
     if not ids:
         raise ValueError("the prompt is empty (it encodes to no tokens)")
     max_tokens = record["max_tokens"] if has["max_tokens"] else spec.max_new_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ValueError(f"\"max_tokens\" must be an integer >= 0, got {_json(max_tokens)}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 <= max_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"\"max_tokens\" must be an integer in 0..{MAX_NEW_TOKENS}, got {_json(max_tokens)}")
+    if context is not None and len(ids) + max_tokens > context:
+        raise ValueError(f"the prompt has {len(ids)} tokens and \"max_tokens\" is {max_tokens}: {len(ids) + max_tokens} "
+                         f"tokens exceed the models' maximum length of {context}; allowed \"max_tokens\" <= "
+                         f"{max(0, context - len(ids))}")
     temperature = record["temperature"] if has["temperature"] else spec.temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
@@ -167,6 +176,9 @@ class Worker:
     def __init__(self, spec: ModelSpec, clock: Callable[[], float] = time.perf_counter):
         self.spec = spec = spec.check()
         self.engine, self.tokenizer = spec.load()
+        limits = [m.max_seq_len for m in (self.engine.target, getattr(self.engine.proposer, "model", None))
+                  if getattr(m, "max_seq_len", None)]
+        self.context = min(limits) if limits else None
         self.clock = clock
         self.step_seconds = 0.0  # inside engine.step: what is not overhead
 
@@ -183,7 +195,7 @@ class Worker:
                     more = False
                     break
                 try:
-                    ids, params, stops = request_of(record, self.tokenizer, self.spec)
+                    ids, params, stops = request_of(record, self.tokenizer, self.spec, self.context)
                     engine.add_request(ids, params, request_id=record["id"])
                     live[record["id"]] = Live(stops)
                 except (ValueError, TypeError) as error:
@@ -271,8 +283,9 @@ def progress(total: int, enabled: bool):
 def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = True,
               clock: Callable[[], float] = time.perf_counter) -> Summary:
     """The job in this process, on one engine, with a progress bar (records, tokens/s)."""
-    from .batch_files import OutputFile, pending, read_records
+    from .batch_files import OutputFile, check_paths, pending, read_records
 
+    check_paths(input_path, output_path)
     records = read_records(input_path)
     spec = spec.check()
     output = OutputFile(output_path)

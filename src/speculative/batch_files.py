@@ -17,10 +17,12 @@ whose records already arrived. A job killed midway loses only the records in fli
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Hashable, Iterator
 
-from .prompt_files import decode_text
+from .prompt_files import decode_text, load_line
 
 
 def is_parquet(path) -> bool:
@@ -42,10 +44,7 @@ def read_jsonl_records(path) -> list[tuple[str, dict]]:
         if not line.strip():
             continue
         where = f"{path} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not JSON: {error.msg} at column {error.colno}") from None
+        record = load_line(line, where)
         if not isinstance(record, dict):
             raise ValueError(f"{where}: each line must be a JSON object like {{\"id\": 1, \"prompt\": \"...\"}}, "
                              f"got {type(record).__name__}")
@@ -95,13 +94,38 @@ def read_records(path) -> list[tuple[str, dict]]:
     return records
 
 
+def check_paths(input_path, output_path) -> None:
+    """Refuse, before either file is touched, an OUTPUT that is INPUT (the same file, also
+    through a symbolic or hard link: resuming would cut and append to the records being
+    read), and an OUTPUT that OutputFile refuses."""
+    output = Path(output_path)
+    try:
+        same = os.path.samefile(input_path, output)
+    except (OSError, ValueError):  # one of them does not exist (yet)
+        same = False
+    if same:
+        also = "" if os.path.abspath(input_path) == os.path.abspath(output) else " (the same file through a link)"
+        raise ValueError(f"OUTPUT {output} is INPUT {input_path}{also}; the output is appended to and resumed from, "
+                         "so give another file")
+    check_output(output)
+
+
+def check_output(output: Path) -> None:
+    """OUTPUT is a new path or a regular file: a job appends to it and reads it back to resume
+    (reading a pipe or a terminal would wait forever)."""
+    if output.is_dir():
+        raise ValueError(f"OUTPUT {output} is a directory; give a file path (.jsonl)")
+    if output.exists() and not stat.S_ISREG(output.stat().st_mode):
+        raise ValueError(f"OUTPUT {output} is not a regular file (a device, pipe or socket): a job appends to its "
+                         "OUTPUT and reads it back to resume, so give a file path (.jsonl)")
+
+
 class OutputFile:
     """OUTPUT, appended to one record per line; the ids already in it are `done`."""
 
     def __init__(self, path):
         self.path = Path(path)
-        if self.path.is_dir():
-            raise ValueError(f"OUTPUT {self.path} is a directory; give a file path (.jsonl)")
+        check_output(self.path)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"OUTPUT {self.path}: the folder {self.path.parent} does not exist")
         self.done: set[Hashable] = set()
@@ -122,7 +146,7 @@ class OutputFile:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, or JSON no job writes
                 record = None
             if not isinstance(record, dict) or "id" not in record:
                 raise ValueError(f"OUTPUT {self.path} line {number} is not a record of a batch job (a JSON object "

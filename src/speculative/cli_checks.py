@@ -2,21 +2,31 @@
 
 Every error is one line on stderr: what was wrong, which option, file or line, and what
 is allowed. Exit status 2 for bad usage (an option, file, prompt or model the command
-cannot use), 1 for a failure while running, 130 on Ctrl-C, 141 when the reader of stdout
-goes away (`| head`); a traceback only with --verbose.
+cannot use), 1 for a failure while running, 3 when `serve` finds its port in use (as
+uvicorn), 130 on Ctrl-C, 141 when the reader of stdout goes away (`| head`) or stdout is
+closed; a traceback only with --verbose.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import math
 import os
 import sys
 import traceback
 
-FAILURE, USAGE, INTERRUPTED, BROKEN_PIPE = 1, 2, 130, 141
+FAILURE, USAGE, PORT_BUSY, INTERRUPTED, BROKEN_PIPE = 1, 2, 3, 130, 141
+EXIT_STATUSES = ("Exit status: 0 done, 1 failed while running, 2 bad usage, 3 the port to serve on is in use, 130 "
+                 "interrupted (Ctrl-C), 141 stdout closed (the reader of a pipe went away, as with | head).")
 # Errors that mean "the input cannot be used" rather than "something failed while running".
-USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                PermissionError)
+
+
+class BusyPort(Exception):
+    """The address `serve` was to listen on is taken: exit status 3."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,15 +36,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USAGE, f"error: {message} (see `{self.prog} --help`)\n")
 
 
-def integer(low: int):
-    """An argparse type: an integer >= low."""
+def integer(low: int, high: int | None = None):
+    """An argparse type: an integer >= low (and <= high when given)."""
+    allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return value
     return parse
 
@@ -65,6 +77,37 @@ def integer_list(text: str) -> tuple[int, ...]:
     return values
 
 
+# What the drafts without a model draft with, for errors about options that need a model.
+NO_MODEL = {"none": "it drafts nothing", "ngram": "prompt lookup, no draft model",
+            "suffix": "lookup, no draft model"}
+
+
+def check_draft_options(args, draft_name: str) -> None:
+    """Refuse options that would do nothing with the chosen draft (generate, batch, serve;
+    before a model loads and before defaults are filled in). Values equal to an option's
+    default count as left out."""
+    fixed = getattr(args, "fixed_k", None)
+    fixed = (not args.adaptive) if fixed is None else fixed
+    unused = []
+    if draft_name in NO_MODEL:
+        unused += [name for name, used in (("--draft-vocab", args.draft_vocab != 0),
+                                           ("--draft-dtype", args.draft_dtype != "auto"),
+                                           ("--draft-temperature", args.draft_temperature != 1.0)) if used]
+    if draft_name == "none":
+        unused += [name for name, used in (("--num-draft-tokens (-k)", args.num_draft_tokens is not None),
+                                           ("--fixed-k", fixed), ("--tree-top-k", args.tree_top_k != 1)) if used]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with --draft "
+                         f"{draft_name} ({NO_MODEL[draft_name]}); leave {'it' if len(unused) == 1 else 'them'} out, "
+                         "or name a draft model with --draft")
+    if args.draft_vocab_corpus != "stdlib" and not args.draft_vocab:
+        raise ValueError("--draft-vocab-corpus applies with --draft-vocab N (N > 0), which chooses the tokens the "
+                         "draft scores; give both, or neither")
+    if args.tree_max_tokens != 16 and args.tree_top_k == 1:
+        raise ValueError("--tree-max-tokens applies to token trees: give --tree-top-k 2 or more as well (with "
+                         "--tree-top-k 1 drafts are chains of --num-draft-tokens)")
+
+
 def argument_text(text: str, option: str) -> str:
     """Text given on the command line, refused when empty or not UTF-8 (Python keeps
     undecodable bytes of argv as lone surrogates, which no tokenizer takes)."""
@@ -85,6 +128,8 @@ def one_line(error: BaseException) -> str:
 def run_command(run, args) -> int:
     """Run one command; turn whatever it raises into one line and an exit status."""
     verbose = getattr(args, "verbose", False)
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        sys.stdout = ClosedStdout()
     try:
         code = run(args)
         sys.stdout.flush()  # a reader that went away shows up here, not at interpreter exit
@@ -92,20 +137,38 @@ def run_command(run, args) -> int:
     except BrokenPipeError:
         silence_stdout()
         return BROKEN_PIPE
+    except BusyPort as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return PORT_BUSY
     except KeyboardInterrupt:
         if verbose:
             traceback.print_exc()
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except Exception as error:  # every error reaches the user as one line
-        if verbose:
-            traceback.print_exc()
-        if isinstance(error, USAGE_ERRORS):
-            print(f"error: {one_line(error)}", file=sys.stderr)
-            return USAGE
-        hint = "" if verbose else " (run with --verbose for the traceback)"
-        print(f"error: {type(error).__name__}: {one_line(error)}{hint}", file=sys.stderr)
-        return FAILURE
+        return failed(error, verbose)
+
+
+def failed(error: Exception, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exc()
+    if isinstance(error, USAGE_ERRORS):
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return USAGE
+    hint = "" if verbose else " (run with --verbose for the traceback)"
+    print(f"error: {type(error).__name__}: {one_line(error)}{hint}", file=sys.stderr)
+    return FAILURE
+
+
+class ClosedStdout(io.TextIOBase):
+    """sys.stdout of a process started with stdout closed, where Python leaves None: writing
+    raises BrokenPipeError, as writing to a pipe whose reader went away does."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "standard output is closed")
 
 
 def silence_stdout() -> None:

@@ -3,25 +3,68 @@
 Our block is Llama's and our parameter names are Llama's, so the export is a renaming
 (a `model.` prefix) plus a LlamaConfig. Other tools (transformers' assisted generation,
 llama.cpp converters) can then run the same model, and comparisons mean something.
+
+An export either completes or leaves the destination as it was: everything that could
+stop it halfway (a symbolic link, a folder it cannot write or empty) is checked first, the
+files are written into a new directory beside the destination and renamed into place, and
+the files get the user's umask like those of any other tool.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
+log = logging.getLogger("speculative")
 
-def check_destination(out: Path, force: bool, source: Path | None = None) -> None:
-    """Refuse to write over a file, over the model being exported, or, without `force`,
-    over a directory that holds anything."""
+
+def check_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("export writes transformers' Llama format and needs transformers, which is not installed: "
+                         "pip install 'speculative[hf]'") from None
+
+
+def destination(out) -> Path:
+    """The directory an export replaces: `out`, or the directory a symbolic link `out` points
+    to (the link is kept, and points to the new files)."""
     out = Path(out)
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if not target.exists():
+        raise FileNotFoundError(f"{out} is a symbolic link to {target}, which does not exist; export writes a "
+                                "directory: give a new or empty directory, or fix the link")
+    return target
+
+
+def check_destination(out: Path, force: bool, source: Path | None = None) -> Path:
+    """Refuse to write over a file, over the model being exported, without `force` over a
+    directory that holds anything, and anywhere the export could not complete. Returns the
+    directory that will be written (a link's target)."""
+    given, out = Path(out), destination(out)
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} is a file; export writes a directory: give a new or empty directory")
+        raise FileExistsError(f"{given} is a file; export writes a directory: give a new or empty directory")
     if source is not None and out.exists() and Path(source).resolve().is_relative_to(out.resolve()):
-        raise ValueError(f"{out} holds the model being exported ({source}); export to another directory")
+        raise ValueError(f"{given} holds the model being exported ({source}); export to another directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} is not empty; pass --force (force=True) to replace it, or give a new directory")
+        raise FileExistsError(f"{given} is not empty; pass --force (force=True) to replace it, or give a new directory")
+    if out.is_dir() and (os.path.ismount(out) or Path.cwd().resolve().is_relative_to(out.resolve())):
+        what = "a mount point" if os.path.ismount(out) else "the current directory or one that holds it"
+        raise ValueError(f"{given} is {what}, which export cannot replace; export to a directory inside it")
+    parent = out.absolute().parent
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write in {parent}, where the export of {given} is written first")
+    if out.is_dir():
+        for folder, dirs, _ in os.walk(out):
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise PermissionError(f"{folder} cannot be emptied (no write permission), so {given} cannot be "
+                                      "replaced; fix its permissions or give another directory")
+    return out
 
 
 def export_llama(model, out, tokenizer_file: Path | None = None, force: bool = False,
@@ -30,14 +73,14 @@ def export_llama(model, out, tokenizer_file: Path | None = None, force: bool = F
 
     The files are written into a new directory beside `out` and renamed into place once
     complete, so that a failed export leaves `out` as it was. `source` (the model's own
-    directory) is never replaced."""
+    directory) is never replaced. A symbolic link `out` keeps pointing to the export."""
+    check_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     if getattr(model, "model_type", None) != "decoder_only":
         raise ValueError(f"only decoder_only models export to the Llama format, got "
                          f"{getattr(model, 'model_type', type(model).__name__)}")
-    out = Path(out)
-    check_destination(out, force, source)
+    target = check_destination(out, force, source)
     cfg = model.cfg
     eos = None
     tokenizer = None
@@ -57,31 +100,52 @@ def export_llama(model, out, tokenizer_file: Path | None = None, force: bool = F
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"export mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.absolute().parent))
+    target.absolute().parent.mkdir(parents=True, exist_ok=True)
+    staging = beside(target, "partial")
+    staging.mkdir()  # the user's umask, as any new directory
     try:
         llama.save_pretrained(str(staging))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
         if not (staging / "config.json").is_file() or not any(staging.glob("*.safetensors")):
             raise OSError(f"transformers wrote no config.json and safetensors weights into {staging}")
-        replace_directory(staging, out)
+        apply_umask(staging)
+        replace_directory(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return Path(out)
+
+
+def beside(path: Path, kind: str) -> Path:
+    """A new hidden name in `path`'s folder, e.g. `.out.1f2e....partial`."""
+    return path.absolute().parent / f".{path.name}.{uuid.uuid4().hex[:8]}.{kind}"
+
+
+def apply_umask(directory: Path) -> None:
+    """Give the files the mode the user's umask gives new files (transformers writes the
+    weights through a private temporary file, mode 0600). The directory, made by mkdir,
+    already has it."""
+    mode = directory.stat().st_mode & 0o666
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def replace_directory(new: Path, out: Path) -> None:
-    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after."""
+    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after.
+    Should that deletion fail, the export is in place all the same and the old copy is named."""
     if not out.exists():
         new.rename(out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.absolute().parent))
-    old.rmdir()
+    old = beside(out, "old")
     out.rename(old)
     try:
         new.rename(out)
     except OSError:
         old.rename(out)  # put it back
         raise
-    shutil.rmtree(old)
+    try:
+        shutil.rmtree(old)
+    except OSError as error:
+        log.warning("exported to %s, but its previous contents, moved to %s, could not be removed: %s", out, old,
+                    error)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import torch
 from . import presets
 from .inputs import check_device
 from .kernels import int8_available, pack_linears, packing_available
-from .models import MODEL_TYPES, DecoderOnlyLM, load_builtin
+from .models import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin
 from .models.head import HEAD_TYPE, load_head
 from .models.int8 import quantize_model
 from .models.native import generation_eos, load_native, native_config
@@ -105,7 +107,11 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
                                if (p / "tokenizer.json").is_file()), None)
         model.tokenizer = _builtin_tokenizer(tokenizer_path) if tokenizer_path else None
         return model
-    native = native_config(config)
+    try:
+        native = native_config(config)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path / 'config.json'}: {'no entry ' if isinstance(error, KeyError) else ''}{error}"
+                         ) from None
     if native is not None:
         model = load_native(path, native, device, torch_dtype, int8)
         if not int8:
@@ -130,6 +136,7 @@ def _load_builtin(path: Path, config: dict, device, dtype):
     """A built-in model, with config problems named with their file."""
     config_path = path / "config.json"
     try:
+        _check_weight_count(path, config)
         return load_builtin(path, device=device, dtype=dtype)
     except KeyError as error:
         raise ValueError(f"{config_path} has no {error} entry, which a {config['model_type']} model needs") from None
@@ -137,6 +144,31 @@ def _load_builtin(path: Path, config: dict, device, dtype):
         if str(path) in str(error):
             raise
         raise ValueError(f"{config_path}: {error}") from None
+
+
+def _check_weight_count(path: Path, config: dict) -> None:
+    """Build the model on the meta device (no memory) and refuse a config that describes
+    more weights than the directory's files hold, before anything is allocated (a
+    config.json saying vocab_size 4M would otherwise allocate its tensors first)."""
+    opts = {k: v for k, v in config.items() if k not in ("model_type", "dtype", "vocab_size")}
+    with torch.device("meta"):
+        needed = sum(p.numel() for p in build_model(config["model_type"], config["vocab_size"], opts).parameters())
+    held = weight_elements(path)
+    if needed > held:
+        raise ValueError(f"{path / 'config.json'} describes a {config['model_type']} model of {needed:,} weights, but "
+                         f"the safetensors files of {path} hold {held:,}: the config and the weights do not match")
+
+
+def weight_elements(path: Path) -> int:
+    """Elements of all tensors in a directory's safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for name in weights.keys():
+                total += math.prod(weights.get_slice(name).get_shape())
+    return total
 
 
 # Models with fewer linear weights than this run faster on PyTorch's own float32 layers:
@@ -227,6 +259,8 @@ def read_config(path: Path) -> dict:
         raise ValueError(f"{path} is not UTF-8 text, so not a model config") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+    except (ValueError, RecursionError) as error:  # an integer of thousands of digits, deep nesting
+        raise ValueError(f"{path} is not a model config: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object (a model config), got {type(config).__name__}")
     return config
@@ -252,6 +286,13 @@ def check_safetensors(path: Path) -> None:
             raise ValueError(f"{path} is not a safetensors file: its header is not the JSON of a tensor list") from None
     if 8 + length + end > size:
         raise ValueError(f"{path} is truncated: its tensors end at byte {8 + length + end}, the file has {size} bytes")
+    from safetensors import SafetensorError, safe_open
+
+    try:  # the reader's own checks: dtypes, shapes against byte ranges
+        with safe_open(str(path), "pt"):
+            pass
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a valid safetensors file: {error}") from None
 
 
 def _builtin_tokenizer(path: Path) -> TextTokenizer:
@@ -322,7 +363,12 @@ def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
 
     from .models.hf import HFModel
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
-                                                 local_files_only=True).to(device)
+    try:  # the GGUF reader's errors (struct, numpy) do not name the file
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
+                                                     local_files_only=True).to(device)
+        tokenizer = _hf_tokenizer(path, _model_eos(model))
+    except (struct.error, ValueError, IndexError, KeyError, EOFError, OSError) as error:
+        raise ValueError(f"{path} cannot be read as a GGUF model (is it truncated or corrupt? {path.stat().st_size} "
+                         f"bytes): {type(error).__name__}: {error}") from None
     prepare(model)
-    return HFModel(model, _hf_tokenizer(path, _model_eos(model)))
+    return HFModel(model, tokenizer)

@@ -2,7 +2,10 @@
 
 A JSON-lines file holds one object per line: {"prompt": "...", "max_new_tokens": 64,
 "chat": true}, the last two optional; other keys (e.g. "kind") are ignored. Every line is
-checked before anything is generated, and errors name the file and the line.
+checked before anything is generated, and errors name the file and the line. A line must
+be plain JSON (no NaN, no integers of thousands of digits) whose strings are Unicode text:
+JSON's \\u escapes can spell a lone surrogate ("\\ud800"), which no tokenizer and no
+UTF-8 output can take.
 """
 
 from __future__ import annotations
@@ -71,11 +74,49 @@ def read_jsonl(path, option: str) -> list[PromptLine]:
     return rows
 
 
-def parse_line(line: str, where: str, number: int) -> PromptLine:
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def load_line(line: str, where: str):
+    """One JSON line, as json.loads gives it, or a ValueError naming `where` and the problem."""
     try:
-        row = json.loads(line)
+        value = json.loads(line, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where} is not JSON: {error.msg} at column {error.colno}") from None
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deeply to read") from None
+    except ValueError as error:  # NaN or Infinity, or an integer too long to convert
+        raise ValueError(f"{where} is not plain JSON: {error}") from None
+    bad = not_text(value)
+    if bad is not None:
+        raise ValueError(f"{where}: {bad} is not Unicode text: it holds a lone surrogate (a \\ud800 to \\udfff "
+                         "escape without its pair); write the text as UTF-8")
+    return value
+
+
+def not_text(value) -> str | None:
+    """Where in a JSON value the first string (or key) that is not Unicode text is, e.g.
+    '"prompt"' or '"messages"[0]["content"]'; None when every string is text. Iterative."""
+    todo = [(value, "")]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "the line"
+        elif isinstance(item, dict):
+            for key, part in item.items():
+                todo.append((key, f"a key of {where or 'the object'}"))
+                todo.append((part, f'{where}["{key}"]' if where else f'"{key}"'))
+        elif isinstance(item, list):
+            todo += [(part, f"{where}[{i}]") for i, part in enumerate(item)]
+    return None
+
+
+def parse_line(line: str, where: str, number: int) -> PromptLine:
+    row = load_line(line, where)
     if not isinstance(row, dict):
         raise ValueError(f"{where}: each line must be a JSON object like {{\"prompt\": \"...\"}}, got "
                          f"{type(row).__name__}")

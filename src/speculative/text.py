@@ -63,9 +63,15 @@ class TextTokenizer:
             ids = self.backend.apply_chat_template(messages, chat_template=self.chat_template,
                                                    add_generation_prompt=generation_prompt, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
 
-        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        def raise_exception(message):  # what templates call to refuse a chat, as in transformers
+            raise TemplateError(message)
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = raise_exception
+        template = environment.from_string(self.chat_template)
         return self.encode(template.render(messages=messages, add_generation_prompt=generation_prompt))
 
 

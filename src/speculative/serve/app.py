@@ -4,7 +4,8 @@ Handlers parse and check a request (`protocol`), tokenize it, submit it to the e
 loop and read its events from an asyncio queue; they never touch the engine. Streams are
 server-sent events (`data: {...}`, then `data: [DONE]`); a client that goes away has its
 requests aborted. Every error, ours or the framework's (404, 405), is OpenAI's
-{"error": {...}} object.
+{"error": {...}} object. Every request is logged on the "speculative.serve.access" logger:
+method, path, status, tokens (prompt + completion) and seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,6 +31,7 @@ from .protocol import APIError, GenerationRequest, invalid, parse_chat, parse_co
 
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL = 0.5
+access_log = logging.getLogger("speculative.serve.access")
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Settings:
     eos_token_ids: tuple[int, ...] = ()
     # Default budget where the context sets none.
     default_max_tokens: int = 256
+    # Token ids a prompt may hold are 0..vocab_size-1 (None: not checked here).
+    vocab_size: int | None = None
 
 
 def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
@@ -54,6 +59,7 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
         loop.stop()
 
     app = FastAPI(title="speculative", lifespan=lifespan)
+    app.add_middleware(AccessLog)
     app.state.loop = loop
     created = int(time.time())
 
@@ -123,10 +129,19 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
     async def completions(request: Request):
         authorize(request)
         req = parse_completion(await read_body(request), settings.model_name)
+        if len(req.prompts) > loop.capacity:  # it could never be admitted: not a "retry later"
+            raise APIError(413, f"prompt holds {len(req.prompts)} prompts; this server takes at most {loop.capacity} "
+                           "at once (--max-batch-size plus --max-waiting): send them in several requests",
+                           "prompt", "too_many_prompts")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if not p:
-                raise invalid("prompt", "the prompt encodes to no tokens; give some text")
+                raise invalid(where, f"{where} encodes to no tokens; give some text")
+            bad = [t for t in p if settings.vocab_size is not None and not 0 <= t < settings.vocab_size]
+            if bad:
+                raise invalid(where, f"{where} holds token id {bad[0]}, outside the vocabulary: allowed "
+                              f"0..{settings.vocab_size - 1}")
         return await generate(request, req, prompts, "cmpl", "text_completion")
 
     @app.post("/v1/chat/completions")
@@ -136,7 +151,11 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
         try:
             prompt = tokenizer.chat_messages(req.messages)
         except ValueError as error:
-            raise invalid("messages", str(error), "no_chat_template") from None
+            code = "no_chat_template" if "no chat template" in str(error) else None
+            raise invalid("messages", str(error), code) from None
+        except Exception as error:  # the template itself refused these messages (jinja2's raise_exception)
+            raise invalid("messages", f"the chat template cannot render these messages: {type(error).__name__}: "
+                          f"{error}", "chat_template_error") from None
         return await generate(request, req, [prompt], "chatcmpl", "chat.completion")
 
     async def generate(request: Request, req: GenerationRequest, prompts: list[list[int]], prefix: str,
@@ -144,6 +163,8 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
         if req.max_tokens is None:  # chat without a budget: what the context leaves
             room = settings.context_length - len(prompts[0]) if settings.context_length else None
             req.max_tokens = max(1, settings.default_max_tokens if room is None else room)
+        check_lengths(req, prompts, settings.context_length, "messages" if kind == "chat.completion" else "prompt")
+        request.scope.setdefault("state", {})["usage"] = None
         try:
             params = SamplingParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
                                     sorted(set(settings.eos_token_ids) | set(req.stop_token_ids)))
@@ -159,6 +180,7 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
         if first.kind == "error":
             raise first.error
         reply = Reply(response_id, kind, settings.model_name, len(prompts), req)
+        request.scope["state"]["usage"] = reply.usage  # for the access log, once the response is sent
         if req.stream:
             return StreamingResponse(stream(reply, events, ids), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -199,6 +221,56 @@ def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
                 loop.abort(ids)
 
     return app
+
+
+def check_lengths(req: GenerationRequest, prompts: list[list[int]], context: int | None, param: str) -> None:
+    """Each prompt plus the budget fits the context, or a 400 whose message names the fields
+    the client sent (max_tokens or max_completion_tokens, never the engine's max_new_tokens)."""
+    if context is None:
+        return
+    for i, prompt in enumerate(prompts):
+        where = param if len(prompts) == 1 else f"{param}[{i}]"
+        if len(prompt) >= context:
+            raise invalid(where, f"{where} has {len(prompt)} tokens; this model's context holds {context}, prompt "
+                          "and completion together: give a shorter prompt", "context_length_exceeded")
+        if len(prompt) + req.max_tokens > context:  # param: the prompt, as OpenAI's context_length_exceeded
+            field = req.budget_field
+            raise invalid(where, f"{where} has {len(prompt)} tokens and {field} is {req.max_tokens}: "
+                          f"{len(prompt) + req.max_tokens} tokens exceed this model's context of {context}; allowed "
+                          f"{field} <= {context - len(prompt)}", "context_length_exceeded")
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request once its response is sent (or its client
+    gone): method, path, status, tokens (prompt + completion) and seconds."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [None]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            status[0] = status[0] or 500  # answered by the server-error handler, outside this middleware
+            raise
+        finally:
+            usage = scope.get("state", {}).get("usage")
+            tokens = ""
+            if usage is not None:
+                counts = usage()
+                tokens = f" tokens {counts['prompt_tokens']}+{counts['completion_tokens']}"
+            client = scope.get("client") or ("-", 0)
+            access_log.info('%s:%s "%s %s" %s%s %.3f s', client[0], client[1], scope["method"], scope["path"],
+                            status[0] or "-", tokens, time.perf_counter() - started)
 
 
 def sse(payload: dict) -> str:

@@ -2,18 +2,25 @@
 
 On SIGTERM (or Ctrl-C) the server stops accepting connections and new requests, gives
 what runs `--shutdown-grace` seconds to finish, aborts the rest (each stream still gets
-its final chunk and `[DONE]`), and exits 0.
+its final chunk and `[DONE]`), and exits 0. Everything the options name (the address, the
+chat template) is checked before a model loads; a port in use exits 3. The server logs a
+line per request (`--no-access-log` turns that off) and a line when it shuts down.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
-from ..cli_checks import integer, number
+from ..cli_checks import EXIT_STATUSES, BusyPort, integer, number
+from ..config import MAX_BATCH_SIZE
+
+log = logging.getLogger("speculative.serve")
 
 NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -25,15 +32,16 @@ def add_serve(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
                                    "(Prometheus) with continuous batching and speculative decoding. Greedy "
                                    "requests get exactly the target's own greedy tokens. Needs the serve extra: "
-                                   "pip install 'speculative[serve]'.")
+                                   "pip install 'speculative[serve]'. " + EXIT_STATUSES)
     p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
                    "preset (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d', 'ngram' (prompt "
                    "lookup), a model followed by '+ngram', or 'none' (plain decoding). Default: "
                    "default-draft+ngram for the shipped target, ngram otherwise")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=integer(1), default=8000, help="port (default: %(default)s)")
-    p.add_argument("--max-batch-size", type=integer(1), default=8, help="requests decoded together "
+    p.add_argument("--port", type=integer(1, 65535), default=8000, help="port, 1..65535; one in use exits with "
+                   "status 3 (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=integer(1, MAX_BATCH_SIZE), default=8, help="requests decoded together "
                    "(default: %(default)s)")
     p.add_argument("--max-waiting", type=integer(0), default=64, help="requests that may wait for a row; more "
                    "are refused with 503 (default: %(default)s)")
@@ -46,6 +54,7 @@ def add_serve(sub) -> None:
     p.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's own)")
     p.add_argument("--max-body-bytes", type=integer(1), default=1 << 20, help="larger request bodies are refused "
                    "with 413 (default: %(default)s)")
+    p.add_argument("--no-access-log", action="store_true", help="no log line per request on stderr")
     p.add_argument("--shutdown-grace", type=number(0), default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM before they are aborted (default: %(default)s)")
     add_precision(p)
@@ -67,28 +76,80 @@ def check_installed() -> None:
                          "pip install 'speculative[serve]'")
 
 
+def check_address(host: str, port: int) -> None:
+    """Before any model loads: `host` resolves to addresses of this machine, and `port` is
+    free on each (bound and released at once, with the SO_REUSEADDR that uvicorn sets)."""
+    try:
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError, ValueError) as error:
+        raise ValueError(f"--host {host!r} is not an address or a name this machine can resolve "
+                         f"({getattr(error, 'strerror', None) or error})") from None
+    for family, kind, proto, _, address in found:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6), skipped as asyncio skips it
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise BusyPort(f"port {port} on {host} is in use: stop what serves there, or give another "
+                                   "--port") from None
+                raise ValueError(f"cannot serve on --host {host} --port {port}: {error.strerror or error}"
+                                 + (" (ports below 1024 need privileges)" if error.errno == errno.EACCES else "")
+                                 ) from None
+
+
+def read_template(option: str, path: str) -> str:
+    """A Jinja chat template file, its syntax checked (before any model loads)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from ..prompt_files import read_text
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{option} {path} is not a file; give a Jinja template file")
+    template = read_text(path, option)
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as error:
+        raise ValueError(f"{option} {path} line {error.lineno} is not a Jinja template: {error.message}") from None
+    return template
+
+
+def check_template(option: str, path: str, tokenizer) -> None:
+    """Render the chat template once, on one user turn: a template that cannot render it is
+    refused at start-up, not on every chat request."""
+    try:
+        ids = tokenizer.chat_messages([{"role": "user", "content": "Hello"}])
+    except Exception as error:  # whatever the template raises (undefined names, raise_exception)
+        raise ValueError(f"{option} {path} cannot render a chat of one user turn: {type(error).__name__}: "
+                         f"{error}") from None
+    if not ids:
+        raise ValueError(f"{option} {path} renders a chat of one user turn as no tokens")
+
+
 def build_engine(args):
     """The target, its tokenizer and the engine the options ask for (options checked first)."""
     import torch
 
     from .. import Engine, SpeculativeConfig, load_model, load_tokenizer
     from ..cli import LOOKUPS, draft_vocab, make_draft, ngram_sizes
+    from ..cli_checks import check_draft_options
     from ..inputs import check_device, check_draft_width
     from ..loading import PARTNERS
     from ..proposers import as_proposer
 
     device = check_device(args.device, "--device")
-    draft_name = args.draft or PARTNERS.get(args.target, "ngram")
+    draft_name = args.draft = args.draft or PARTNERS.get(args.target, "ngram")  # the banner names it
     plain = draft_name == "none"
+    check_draft_options(args, draft_name)
     ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
         args.num_draft_tokens = 10 if draft_name in LOOKUPS else 4
-    template = None
-    if args.chat_template is not None:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            raise FileNotFoundError(f"--chat-template {path} is not a file; give a Jinja template file")
-        template = path.read_text(encoding="utf-8")
+    template = None if args.chat_template is None else read_template("--chat-template", args.chat_template)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, draft_temperature=args.draft_temperature,
@@ -98,6 +159,8 @@ def build_engine(args):
     target = load_model(args.target, device=device, dtype=args.dtype)
     tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
     tokenizer.chat_template = template or tokenizer.chat_template
+    if template is not None:
+        check_template("--chat-template", args.chat_template, tokenizer)
     draft = None if plain else make_draft(draft_name, device, args)
     models = [target] + ([draft] if hasattr(draft, "max_seq_len") else [])
     for model, role in zip(models, ("target", "draft")):
@@ -122,9 +185,14 @@ def warm_up(engine, tokenizer) -> None:
 
 
 def run_serve(args) -> int:
+    from ..cli import describe_draft
+
     check_installed()
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; give a key, or leave the option out to serve without one")
+    check_address(args.host, args.port)
     import uvicorn
 
     from .app import Settings, create_app
@@ -135,18 +203,37 @@ def run_serve(args) -> int:
     warm_up(engine, tokenizer)
     loop = EngineLoop(engine, tokenizer.decode, Metrics(), args.max_waiting)
     settings = Settings(args.served_model_name or args.target, context, args.api_key, args.max_body_bytes,
-                        tuple(tokenizer.eos_token_ids))
+                        tuple(tokenizer.eos_token_ids), vocab_size=engine.target.vocab_size)
     app = create_app(loop, tokenizer, settings)
-    logging.getLogger("speculative.serve").setLevel(logging.INFO)
+    setup_logging(args.no_access_log)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_grace + 30),
-                            on_exit=lambda: loop.drain(args.shutdown_grace))
-    print(f"serving {settings.model_name} on http://{args.host}:{args.port} (draft: {args.draft or 'default'}, "
-          f"batch {args.max_batch_size}, waiting {args.max_waiting})", file=sys.stderr, flush=True)
-    server.run()
+                            on_exit=lambda: loop.drain(args.shutdown_grace), grace=args.shutdown_grace)
+    k = "" if args.draft == "none" else f"K {'fixed' if args.fixed_k else 'adaptive, at most'} {args.num_draft_tokens}, "
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port} (draft: {describe_draft(args.draft)}, "
+          f"{k}batch {args.max_batch_size}, waiting {args.max_waiting})", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    except SystemExit as exit:  # uvicorn's own exit when the port was taken after check_address
+        if exit.code == 3:
+            raise BusyPort(f"port {args.port} on {args.host} is in use: give another --port") from None
+        raise
     if server.started is False:
-        raise OSError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
+        raise OSError(f"could not serve on {args.host}:{args.port}")
+    log.info("stopped after %d HTTP requests", server.server_state.total_requests)
     return 0
+
+
+def setup_logging(quiet_access: bool) -> None:
+    """The server's lines (access log, shutdown, engine failures) on stderr, as uvicorn's."""
+    serve_log = logging.getLogger("speculative.serve")
+    serve_log.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    serve_log.addHandler(handler)
+    serve_log.propagate = False  # --verbose's root handler would print each line twice
+    if quiet_access:
+        logging.getLogger("speculative.serve.access").setLevel(logging.WARNING)
 
 
 def _server_class():
@@ -156,14 +243,16 @@ def _server_class():
         """uvicorn's server, with SIGTERM as a drain (see the module docstring) and exit status 0
         (uvicorn re-raises the signal after shutting down, which would kill the process)."""
 
-        def __init__(self, config, on_exit):
+        def __init__(self, config, on_exit, grace: float):
             super().__init__(config)
-            self.on_exit = on_exit
+            self.on_exit, self.grace = on_exit, grace
             self.signalled_at = None
 
         def handle_exit(self, sig, frame) -> None:
             if self.signalled_at is None:
                 self.signalled_at = time.monotonic()
+                log.info("shutting down (%s): new requests are refused, running ones get %g s to finish",
+                         signal.Signals(sig).name, self.grace)
                 self.on_exit()
             super().handle_exit(sig, frame)
 
@@ -183,5 +272,5 @@ def _server_class():
     return Graceful
 
 
-def GracefulServer(config, on_exit):  # noqa: N802 (a class made on first use: uvicorn is an optional extra)
-    return _server_class()(config, on_exit)
+def GracefulServer(config, on_exit, grace: float = 0.0):  # noqa: N802 (made on first use: uvicorn is an extra)
+    return _server_class()(config, on_exit, grace)

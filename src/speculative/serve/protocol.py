@@ -4,7 +4,14 @@ A body is parsed from JSON by hand rather than by pydantic models: every refusal
 `APIError` with OpenAI's status, type and `param` (the field at fault), and a message that
 says what was wrong and what is allowed. Fields OpenAI defines but this server does not
 implement (n > 1, echo, logprobs, penalties, ...) are refused when they ask for something,
-never silently ignored; unknown fields are refused as OpenAI refuses them.
+never silently ignored (their "off" value in its own JSON type: `n: true` and `echo: 0` are
+refused); unknown fields are refused as OpenAI refuses them. A body that is not plain JSON
+(NaN, numbers of thousands of digits, nesting deeper than MAX_DEPTH, strings that are not
+Unicode text, such as a lone surrogate "\\ud800") is refused as a whole, with 400.
+
+Chat takes `max_completion_tokens` (OpenAI's current name) or `max_tokens` (the older
+one); both together are refused unless they are equal. Errors name the field the client
+sent.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..config import MAX_NEW_TOKENS
 from ..rows import SEED_RANGE
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -27,6 +35,8 @@ COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON - {"best_of", "echo", "suffix"} | {"messages", "max_completion_tokens"}
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 16
+# Deepest nesting of arrays and objects a body may have (OpenAI's bodies need 4).
+MAX_DEPTH = 32
 
 
 class APIError(Exception):
@@ -64,18 +74,71 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    # The field that set max_tokens, for errors (chat: max_completion_tokens or max_tokens).
+    budget_field: str = "max_tokens"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 saying why not (never another exception)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        detail = f": {error.msg} at line {error.lineno} column {error.colno}" if isinstance(
-            error, json.JSONDecodeError) else ": not UTF-8"
-        raise invalid(None, f"the request body is not valid JSON{detail}", "invalid_json") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        raise invalid(None, f"the request body is not valid JSON: {error.msg} at line {error.lineno} column "
+                      f"{error.colno}", "invalid_json") from None
+    except UnicodeDecodeError:
+        raise invalid(None, "the request body is not valid JSON: it is not UTF-8 text", "invalid_json") from None
+    except RecursionError:
+        raise invalid(None, f"the request body is nested too deeply: at most {MAX_DEPTH} levels of arrays and "
+                      "objects", "invalid_json") from None
+    except ValueError as error:  # NaN or Infinity, or an integer of thousands of digits
+        what = "it holds a number of more than 4300 digits" if "digits" in str(error) else str(error)
+        raise invalid(None, f"the request body is not valid JSON: {what}", "invalid_json") from None
     if not isinstance(body, dict):
-        raise invalid(None, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise invalid(None, f"the request body must be a JSON object, got {json_type(body)}")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict) -> None:
+    """Nesting within MAX_DEPTH, and every string and key Unicode text (JSON's \\u escapes
+    can spell a lone surrogate, which no encoder or tokenizer takes). Iterative: any depth
+    that json.loads returns is walked without recursion."""
+    todo = [(body, "", 1)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            field = where.split("[")[0].split(".")[0]
+            raise invalid(field, f"the request body is nested too deeply (in {field}): at most {MAX_DEPTH} levels "
+                          "of arrays and objects", "invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            path = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else key)
+            if isinstance(key, str) and not _is_text(key):
+                raise invalid(None, f"the request body holds a key that is not Unicode text (a lone surrogate "
+                              f"such as \\ud800) in {where or 'the top-level object'}", "invalid_json")
+            if isinstance(item, str) and not _is_text(item):
+                raise invalid(path, f"{path} is not Unicode text: it holds a lone surrogate (a \\ud800 to \\udfff "
+                              "escape without its pair); send UTF-8 text", "invalid_json")
+            if isinstance(item, (dict, list)):
+                todo.append((item, path, depth + 1))
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value) -> bool:
@@ -86,12 +149,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(body: dict, name: str, low: int, default=None):
+def _integer(body: dict, name: str, low: int, default=None, high: int = MAX_NEW_TOKENS):
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value) or value < low:
-        raise invalid(name, f"{name} must be an integer >= {low}, got {value!r}")
+    if not _is_int(value) or not low <= value <= high:
+        raise invalid(name, f"{name} must be an integer in {low}..{high}, got {value!r}")
     return value
 
 
@@ -114,6 +177,13 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
+def _same(value, off) -> bool:
+    """`value` is `off` in its own JSON type: true is not 1, and 0 is not false."""
+    if isinstance(value, bool) or isinstance(off, bool):
+        return value is off
+    return _is_number(value) and value == off
+
+
 def _common(body: dict, fields: set[str], served: str) -> dict:
     """The fields completions and chat share."""
     unknown = sorted(set(body) - fields)
@@ -123,7 +193,7 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         off_too = (name == "logprobs" and value is False) or (name == "logit_bias" and value == {})
-        if name in fields and value is not None and value != off and not off_too:
+        if name in fields and value is not None and not _same(value, off) and not off_too:
             raise invalid(name, f"{name}={json.dumps(value)} is not supported by this server; allowed: "
                           f"{json.dumps(off)} (or leave it out)", "unsupported")
     model = body.get("model")
@@ -222,5 +292,10 @@ def parse_chat(body: dict, served: str) -> GenerationRequest:
                           f"{json.dumps(content)[:100]}")
         turns.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
     limit = _integer(body, "max_completion_tokens", 1)
-    limit = _integer(body, "max_tokens", 1, limit)
-    return GenerationRequest(messages=turns, max_tokens=limit, **common)
+    older = _integer(body, "max_tokens", 1)
+    if limit is not None and older is not None and limit != older:
+        raise invalid("max_tokens", f"max_tokens ({older}) and max_completion_tokens ({limit}) disagree; give "
+                      "max_completion_tokens alone (max_tokens is its older name)")
+    field = "max_tokens" if limit is None and older is not None else "max_completion_tokens"
+    return GenerationRequest(messages=turns, max_tokens=older if limit is None else limit, budget_field=field,
+                             **common)

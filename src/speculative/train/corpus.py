@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -56,8 +57,17 @@ def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def train_tokenizer(files: list[Path], vocab_size: int):
-    """A byte-level BPE (the `tokenizers` library) with one special token, EOS."""
+def texts(files: list[Path], deadline: float | None = None):
+    """The files' texts, stopping at `deadline` (time.perf_counter), after the first file."""
+    for i, path in enumerate(files):
+        if i and deadline is not None and time.perf_counter() > deadline:
+            return
+        yield read_text(path)
+
+
+def train_tokenizer(files: list[Path], vocab_size: int, deadline: float | None = None):
+    """A byte-level BPE (the `tokenizers` library) with one special token, EOS, learnt
+    from the files read before `deadline`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -65,17 +75,25 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator((read_text(f) for f in files), trainer)
+    tokenizer.train_from_iterator(texts(files, deadline), trainer)
     return tokenizer
 
 
-def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
-    """All files as one stream of token ids, each file followed by EOS: (N,) int32."""
+# Files encoded per call: between two calls the deadline is checked.
+ENCODE_CHUNK = 16
+
+
+def encode_files(tokenizer, files: list[Path], deadline: float | None = None, min_tokens: int = 0) -> torch.Tensor:
+    """The files as one stream of token ids, each file followed by EOS: (N,) int32. Past
+    `deadline` (time.perf_counter) the rest is left out once `min_tokens` are there."""
     eos = tokenizer.token_to_id(EOS)
     ids: list[int] = []
-    for encoding in tokenizer.encode_batch([read_text(f) for f in files]):
-        ids += encoding.ids
-        ids.append(eos)
+    for start in range(0, len(files), ENCODE_CHUNK):
+        if start and deadline is not None and time.perf_counter() > deadline and len(ids) >= min_tokens:
+            break
+        for encoding in tokenizer.encode_batch([read_text(f) for f in files[start:start + ENCODE_CHUNK]]):
+            ids += encoding.ids
+            ids.append(eos)
     return torch.tensor(ids, dtype=torch.int32)
 
 

@@ -15,7 +15,6 @@ Data sources, all offline:
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -136,11 +135,14 @@ def read_data(source: str, tokenizer, eval_prompts: int,
     if not path.is_file():
         raise FileNotFoundError(f"--data {source} is neither 'stdlib', 'sharegpt' nor a JSON-lines file")
     ids, prompts = [], []
+    from ..prompt_files import load_line
+
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            tokens = record_tokens(json.loads(line), tokenizer, f"{path} line {number}")
+            where = f"{path} line {number}"
+            tokens = record_tokens(load_line(line, where), tokenizer, where)
             if number % HELD_OUT_EVERY == 0:
                 if len(prompts) < eval_prompts and len(tokens) > 1:
                     prompts.append(tokens[:PROMPT_TOKENS])

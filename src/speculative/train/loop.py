@@ -2,7 +2,9 @@
 
 A phase runs for a time budget: after some warm-up steps it fixes its step count from
 the measured speed, so the learning-rate schedule is a plain function of the step and a
-resumed run continues the very same schedule. Checkpoints hold the model, the optimizer,
+resumed run continues the very same schedule. The budget is checked after every step: a
+phase whose steps turn out slower than estimated stops when its seconds are spent, and
+any phase stops at the run's deadline. Checkpoints hold the model, the optimizer,
 the data generator and the step (written with torch.save, read with weights_only=True).
 """
 
@@ -42,6 +44,9 @@ class PhaseConfig:
     checkpoint_minutes: float = 5.0
     bf16: bool = True
     compile: bool = False
+    # time.perf_counter() past which the phase stops after its current step, whatever its
+    # steps or seconds (the whole run's budget); None: no deadline.
+    deadline: float | None = None
 
 
 def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
@@ -124,6 +129,8 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
     loss_avg = None
     durations: list[float] = []
     while total is None or step < total:
+        if cfg.deadline is not None and time.perf_counter() >= cfg.deadline:
+            break  # the run's budget is spent (a phase that starts after it trains no step)
         started = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total or 10 ** 9, cfg.lr)
@@ -154,9 +161,11 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
         if time.perf_counter() - last_save > cfg.checkpoint_minutes * 60:
             save()
             last_save = time.perf_counter()
+        if cfg.steps is None and spent >= cfg.seconds:
+            break  # the phase's budget is spent: steps slower than estimated do not overrun it
     bar.close()
     model.eval().requires_grad_(False)
     summary = {"steps": step, "tokens": step * tokens_per_step, "seconds": round(spent, 1),
-               "final_loss": round(loss_avg, 4)}
+               "final_loss": None if loss_avg is None else round(loss_avg, 4)}
     save(done=True, summary=summary)
     return summary

@@ -8,11 +8,19 @@ Phases, each resumable from its checkpoint:
    DistillSpec makes; it is reported, not shipped);
 5. the s4d draft, distilled;
 6. held-out perplexity per model, and greedy acceptance per draft at K = 4.
+
+--max-minutes is a deadline for the whole run, checked inside every long step: reading
+and encoding the data take at most DATA_SHARE of it (the files read by then), each
+training phase stops when its share is spent (the data-only draft, a comparison, trains
+the distilled draft's number of steps), and the report measures what it can before
+the deadline (at least one window and one prompt per model). What is left past the
+deadline is only the last step of each part and the saving of the files.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +32,12 @@ from . import corpus
 from .loop import PhaseConfig, train_phase
 from .report import acceptance, perplexity
 
-# Share of the time budget per training phase (the rest: tokenizer, data, report).
+# Share of the time left after the data per training phase (the rest: the report).
 BUDGET = {"verifier": 0.65, "draft": 0.11, "draft_s4d": 0.12}
+# Most of the budget that reading the data and training the tokenizer may take.
+DATA_SHARE = 0.25
+# Seconds kept for the report, when the budget is long enough to keep them.
+REPORT_SECONDS = 60
 
 
 @dataclass
@@ -60,6 +72,7 @@ def run_training(opts: TrainOptions) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     budget = opts.max_minutes * 60
+    deadline, data_deadline = started + budget, started + DATA_SHARE * budget
     train_files, held_files = corpus.split_files(opts.max_files)
     print(f"corpus: {len(train_files)} training files, {len(held_files)} held out ({corpus.stdlib_root()})")
 
@@ -68,35 +81,41 @@ def run_training(opts: TrainOptions) -> dict:
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
     else:
-        tokenizer = corpus.train_tokenizer(train_files, opts.vocab_size)
+        tokenizer = corpus.train_tokenizer(train_files, opts.vocab_size, data_deadline)
         tokenizer.save(str(tokenizer_path))
     vocab = tokenizer.get_vocab_size()
-    train_ids = corpus.encode_files(tokenizer, train_files)
-    held_ids = corpus.encode_files(tokenizer, held_files)
+    train_ids = corpus.encode_files(tokenizer, train_files, data_deadline, min_tokens=opts.seq_len + 2)
+    held_ids = corpus.encode_files(tokenizer, held_files, data_deadline, min_tokens=opts.seq_len + 2)
     print(f"tokenizer: {vocab} tokens; data: {len(train_ids):,} training tokens, {len(held_ids):,} held out")
 
-    def phase(name, model_type, model_opts, seconds, teacher=None, steps=None, seed=0):
+    def phase(name, model_type, model_opts, seconds, teacher=None, steps=None, seed=0, until=deadline):
         model = build_model(model_type, vocab, {**model_opts, "max_seq_len": opts.seq_len}
                             if model_type == "decoder_only" else model_opts, seed=opts.seed + seed)
         cfg = PhaseConfig(name=name, seconds=seconds, steps=steps, batch_size=opts.batch_size, seq_len=opts.seq_len,
                           lr=1e-3 if model_type == "decoder_only" else 2e-3, seed=opts.seed + seed,
-                          compile=opts.compile and model_type == "decoder_only")
+                          compile=opts.compile and model_type == "decoder_only", deadline=until)
         summary = train_phase(model, train_ids, cfg, out / "checkpoints" / f"{name}.pt", teacher, opts.resume)
         save_model(model, out / name, weight_dtype=torch.float16)
         # Continue with the shipped precision, so every figure describes the shipped files.
         return load_builtin(out / name), summary
 
     summaries = {}
-    verifier, summaries["verifier"] = phase("verifier", "decoder_only", opts.verifier, budget * BUDGET["verifier"])
-    draft, summaries["draft"] = phase("draft", "decoder_only", opts.draft, budget * BUDGET["draft"],
+    left = max(0.0, deadline - time.perf_counter())
+    verifier, summaries["verifier"] = phase("verifier", "decoder_only", opts.verifier, left * BUDGET["verifier"])
+    draft, summaries["draft"] = phase("draft", "decoder_only", opts.draft, left * BUDGET["draft"],
                                       teacher=verifier, seed=1)
+    # The comparison needs the draft's very steps: no deadline (it takes at most about the draft's time).
     draft_data, summaries["draft_data_only"] = phase("draft_data_only", "decoder_only", opts.draft, 0,
-                                                     steps=summaries["draft"]["steps"], seed=1)
-    remaining = budget - (time.perf_counter() - started) - 60
+                                                     steps=summaries["draft"]["steps"], seed=1, until=None)
+    remaining = deadline - time.perf_counter() - (REPORT_SECONDS if budget > 4 * REPORT_SECONDS else 0)
     draft_s4d, summaries["draft_s4d"] = phase("draft_s4d", "s4d", opts.draft_s4d,
-                                              max(10.0, min(budget * BUDGET["draft_s4d"], remaining)),
+                                              max(0.0, min(left * BUDGET["draft_s4d"], remaining)),
                                               teacher=verifier, seed=2)
 
+    untrained = [name for name, summary in summaries.items() if not summary["steps"]]
+    if untrained:
+        print(f"the {opts.max_minutes:g}-minute budget was spent before {', '.join(untrained)} trained a step: "
+              "they are left as initialised; give more --max-minutes", file=sys.stderr)
     print("report: held-out perplexity and greedy acceptance at K = 4")
     new_tokens = min(opts.eval_new_tokens, opts.seq_len // 2)
     room = opts.seq_len - new_tokens  # keep the end of each prompt that fits the models
@@ -107,9 +126,9 @@ def run_training(opts: TrainOptions) -> dict:
               "models": {}}
     for name, model in models.items():
         entry = {"parameters": sum(p.numel() for p in model.parameters()), "training": summaries[name],
-                 "held_out_perplexity": round(perplexity(model, held_ids, opts.seq_len), 3)}
+                 "held_out_perplexity": round(perplexity(model, held_ids, opts.seq_len, deadline=deadline), 3)}
         if name != "verifier":
-            entry["greedy"] = acceptance(verifier, model, prompts, new_tokens)
+            entry["greedy"] = acceptance(verifier, model, prompts, new_tokens, deadline=deadline)
         report["models"][name] = entry
         print(f"  {name:16s} {entry['parameters'] / 1e6:6.2f}M params  perplexity {entry['held_out_perplexity']:8.2f}"
               + (f"  alpha {entry['greedy']['acceptance_rate']:.3f}  tau {entry['greedy']['tokens_per_forward']:.2f}"

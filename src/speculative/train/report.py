@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +13,15 @@ from ..decoder import SpeculativeDecoder, autoregressive_generate
 
 
 @torch.inference_mode()
-def perplexity(model, data: torch.Tensor, seq_len: int = 512, max_tokens: int = 200_000) -> float:
-    """exp(mean next-token cross-entropy) over consecutive windows of the held-out stream."""
+def perplexity(model, data: torch.Tensor, seq_len: int = 512, max_tokens: int = 200_000,
+               deadline: float | None = None) -> float:
+    """exp(mean next-token cross-entropy) over consecutive windows of the held-out stream
+    (those measured before `deadline`, a time.perf_counter(), and at least one)."""
     data = data[:max_tokens + 1].long()
     total, count = 0.0, 0
     for start in range(0, len(data) - 1, seq_len):
+        if count and deadline is not None and time.perf_counter() > deadline:
+            break
         window = data[start:start + seq_len + 1][None]
         if window.shape[1] < 2:
             break
@@ -28,14 +33,25 @@ def perplexity(model, data: torch.Tensor, seq_len: int = 512, max_tokens: int = 
     return math.exp(total / count)
 
 
-def acceptance(target, draft, prompts: list[list[int]], max_new_tokens: int = 64, k: int = 4) -> dict:
-    """Greedy speculative decoding on the prompts: alpha, tau, and whether output matched."""
+def acceptance(target, draft, prompts: list[list[int]], max_new_tokens: int = 64, k: int = 4,
+               deadline: float | None = None) -> dict:
+    """Greedy speculative decoding on the prompts: alpha, tau, and whether the output
+    matched the target's own. Past `deadline` (a time.perf_counter()) generation stops at
+    the next token, after at least one prompt's first step."""
     decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=False))
-    identical = True
+    past = (lambda: False) if deadline is None else (lambda: time.perf_counter() > deadline)  # noqa: E731
+    identical, done = True, 0
     for ids in prompts:
-        out = decoder.generate(ids, max_new_tokens)
-        identical &= out == autoregressive_generate(target, ids, max_new_tokens)
+        if done and past():
+            break
+        out = []
+        for token in decoder.stream(ids, max_new_tokens):
+            out.append(token)
+            if past():
+                break
+        done += 1
+        identical &= out == autoregressive_generate(target, ids, len(out))
     stats = decoder.stats
     return {"acceptance_rate": round(stats.acceptance_rate, 4),
             "tokens_per_forward": round(stats.tokens_per_forward, 3), "k": k,
-            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "identical_to_target": identical}
+            "prompts": done, "max_new_tokens": max_new_tokens, "identical_to_target": identical}
