@@ -14,6 +14,8 @@
     python benchmarks/run.py verify-cost-gemma  # Gemma's forward cost by width, float32 against bfloat16 (or -qwen)
     python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
     python benchmarks/run.py trees-tau  # model trees' tau against chains of the same width, 40 prompts, untimed
+    python benchmarks/run.py llama-cpp  # against llama.cpp on Qwen 1.5B's GGUF (llama-cpp-gemma: Gemma 3 270M)
+    python benchmarks/run.py int8-quality  # perplexity and agreement of float32, bfloat16 and int8 (an hour)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
 two threads can run ten times slower than one (each waits for the other to be scheduled).
@@ -40,6 +42,8 @@ from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
 import batch_ray
+import llama_cpp
+import quality
 import qwen
 import serve_bench
 import trees
@@ -74,6 +78,13 @@ def machine_legend(machines: dict, details=lambda entry: "") -> list[str]:
     """'(n) machine, date...' lines naming the machines of a per-machine table."""
     return [f"({number}) {name}, {entry['date']}{details(entry)}.\n"
             for number, (name, entry) in enumerate(machines.items(), 1)]
+
+
+def qwen_workloads(tokenizer, limit=3):
+    """The llama-cpp section's workloads: the first prompts of each file."""
+    return {"code completion": prompts("code_completion.jsonl", tokenizer, limit),
+            "grounded editing": prompts("grounded_editing.jsonl", tokenizer, limit),
+            "chat": prompts("chat.jsonl", tokenizer, limit)}
 
 
 def section_default(dtype="auto"):
@@ -166,7 +177,7 @@ WIDTHS = (1, 2, 5, 11, 17, 25)
 
 
 def section_verify_cost(preset="gemma-3-270m", repeats=7):
-    """What a verify forward costs by width, float32 against bfloat16: the model after the
+    """What a verify forward costs by width, float32, bfloat16 and int8: the model after the
     prompt of median length of its workload (Gemma: the grounded prompts; Qwen: its
     section's five), a forward of each width then rolled back (medians of `repeats`); and
     the time to read all the prompts. Where the CPU multiplies bfloat16 natively, wide
@@ -176,7 +187,7 @@ def section_verify_cost(preset="gemma-3-270m", repeats=7):
     name = "gemma" if preset.startswith("gemma") else "qwen"
     # One entry per machine: whether a wide forward is cheap depends on the CPU's matrix units.
     report = {"date": time.strftime("%Y-%m-%d"), "dtypes": {}}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "int8"):
         target = load_model(preset, dtype=dtype)
         tokenizer = target.tokenizer
         ids = prompts("grounded_editing.jsonl", tokenizer) if name == "gemma" else qwen.workload(tokenizer)
@@ -490,7 +501,10 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "prefill-gemma": section_prefill_gemma, "verify-cost-gemma": section_verify_cost,
             "verify-cost-qwen": lambda: section_verify_cost("qwen2.5-coder-1.5b"),
             "trees-models": lambda: trees.models_section(save, prompts),
-            "trees-tau": lambda: trees.tau_section(save)}
+            "trees-tau": lambda: trees.tau_section(save),
+            "llama-cpp": lambda: llama_cpp.qwen_section(save_per_machine, qwen_workloads),
+            "llama-cpp-gemma": lambda: llama_cpp.gemma_section(save_per_machine, qwen_workloads),
+            "int8-quality": lambda: quality.section(save_per_machine)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",
           "heads-gemma-grounded",
           "heads-gemma-grounded-float32", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
@@ -580,6 +594,13 @@ def render() -> str:
         path = RESULTS / f"{name}.json"
         if path.is_file():
             parts += verify_cost_words(json.loads(path.read_text()))
+    for name in ("llama-cpp", "llama-cpp-gemma"):
+        path = RESULTS / f"{name}.json"
+        if path.is_file():
+            parts += llama_cpp.render(json.loads(path.read_text()), machine_legend)
+    path = RESULTS / "int8-quality.json"
+    if path.is_file():
+        parts += quality.render(json.loads(path.read_text()), machine_legend)
     path = RESULTS / "trees.json"
     if path.is_file():
         parts += render_trees(json.loads(path.read_text()))
