@@ -42,7 +42,7 @@ from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
 import batch_ray
-import llama_cpp
+import vs_llama_cpp
 import quality
 import qwen
 import serve_bench
@@ -85,6 +85,16 @@ def qwen_workloads(tokenizer, limit=3):
     return {"code completion": prompts("code_completion.jsonl", tokenizer, limit),
             "grounded editing": prompts("grounded_editing.jsonl", tokenizer, limit),
             "chat": prompts("chat.jsonl", tokenizer, limit)}
+
+
+def gemma_workloads(tokenizer, limit=3):
+    """Gemma's (its GGUF has no chat template): held-out ShareGPT first turns, as the
+    heads-gemma-chat section reads them, for chat."""
+    from speculative.train.sharegpt import sharegpt_data
+
+    return {"code completion": prompts("code_completion.jsonl", tokenizer, limit),
+            "grounded editing": prompts("grounded_editing.jsonl", tokenizer, limit),
+            "chat (ShareGPT first turns)": sharegpt_data(tokenizer, 1, limit)[1]}
 
 
 def section_default(dtype="auto"):
@@ -502,8 +512,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "verify-cost-qwen": lambda: section_verify_cost("qwen2.5-coder-1.5b"),
             "trees-models": lambda: trees.models_section(save, prompts),
             "trees-tau": lambda: trees.tau_section(save),
-            "llama-cpp": lambda: llama_cpp.qwen_section(save_per_machine, qwen_workloads),
-            "llama-cpp-gemma": lambda: llama_cpp.gemma_section(save_per_machine, qwen_workloads),
+            "llama-cpp": lambda: vs_llama_cpp.qwen_section(save_per_machine, qwen_workloads),
+            "llama-cpp-gemma": lambda: vs_llama_cpp.gemma_section(save_per_machine, gemma_workloads),
             "int8-quality": lambda: quality.section(save_per_machine)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",
           "heads-gemma-grounded",
@@ -597,7 +607,7 @@ def render() -> str:
     for name in ("llama-cpp", "llama-cpp-gemma"):
         path = RESULTS / f"{name}.json"
         if path.is_file():
-            parts += llama_cpp.render(json.loads(path.read_text()), machine_legend)
+            parts += vs_llama_cpp.render(json.loads(path.read_text()), machine_legend)
     path = RESULTS / "int8-quality.json"
     if path.is_file():
         parts += quality.render(json.loads(path.read_text()), machine_legend)

@@ -9,8 +9,8 @@ bytes and half of bfloat16's, and it is width-invariant: a verify forward gives 
 token the bits of a one-token forward, so speculative output is exactly the int8 model's
 own. On CPUs whose cores multiply 8-bit integers natively (VNNI) and have no AMX, `auto`
 picks it for models of SMALL_FOR_16_BITS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
-VNNI, no AMX) a forward of Qwen2.5-Coder 1.5B took 1.4x less time in int8 than in packed
-bfloat16 (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
+VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16
+(BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
 VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
 so `auto` does not pick it there.
 

@@ -37,11 +37,13 @@ THREADS = 2
 
 def llama_method(path: str, lookup: bool):
     """llama.cpp's greedy decoding of a prompt (prompt lookup drafting when `lookup`)."""
-    from llama_cpp import Llama, LlamaPromptLookupDecoding
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+    # Its prompt lookup needs the logits of every position (logits_all), as its verify reads them.
     llm = Llama(model_path=path, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=4096, n_batch=512,
-                draft_model=draft, verbose=False)
+                draft_model=draft, logits_all=lookup, verbose=False)
 
     def run(ids, max_new, eos):
         llm.reset()  # no prefix kept from an earlier call: every prompt is read in full
@@ -170,7 +172,7 @@ def compare(save_per_machine, name: str, title: str, gguf: str, preset: str, tar
         log(f"  {workload}: {len(prompts)} prompts")
         entry["workloads"][workload] = {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
                                         "methods": run_rounds(methods, prompts, eos, runs, log)}
-    save_per_machine(name, entry, title=title)
+        save_per_machine(name, entry, title=title)  # after each workload: a long run keeps what it measured
     del methods, bf16
     gc.collect()
 
