@@ -3,9 +3,10 @@ when warm), estimated for other batch sizes, never probed because the batch size
 
 import pytest
 
-from speculative.adaptive import Costs
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, SuffixProposer, autoregressive_generate
+from speculative.adaptive import ESTIMATED_STEPS, Costs
 from speculative.costs import REPROBE_AFTER, CostBook, cost_book, estimate
-from helpers import tiny
+from helpers import perturbed, tiny
 
 
 def line_costs(v1, intercept, slope, draft=0.001, widths=(2, 5)):
@@ -46,6 +47,7 @@ def test_a_book_measures_once_then_estimates_then_measures_once_more_when_warm()
     assert book.get(4, 5, measure) is first
     for _ in range(REPROBE_AFTER):
         first.steps += 1
+    assert book.get(2, 5, measure, fresh=False) is two and len(calls) == 1  # never in the middle of a request
     assert book.get(2, 5, measure) is two and len(calls) == 2  # the warm probe, at the current size
     assert two.v1 == pytest.approx(0.005) and not two.estimated
     assert first.estimated and first.v1 < 0.010  # what the cold probe led to is estimated again
@@ -61,3 +63,46 @@ def test_books_are_shared_per_pair_of_models():
     assert cost_book(target, draft) is not cost_book(target, other)
     assert cost_book(target, None) is not cost_book(target, draft)
     assert cost_book(other, None) is not cost_book(target, None)
+
+
+def test_a_book_without_a_draft_model_never_probes_and_learns_from_the_steps():
+    book = CostBook(probe=False)
+    costs = book.get(1, 25, lambda: pytest.fail("a probe ran"))
+    assert costs.verify(1) == costs.verify(2) == costs.verify(25)  # before any timing every width is alike
+    costs.add(25, 0.030)  # the first step: 24 drafts
+    assert costs.v1 == pytest.approx(0.030)  # a one-token forward costs at most that, until one is timed
+    costs.add(13, 0.020)  # the steps' widths give the line
+    assert costs.verify(25) == pytest.approx(0.030) and costs.verify(19) == pytest.approx(0.025)
+    costs.add(1, 0.012)  # the first one-token step replaces the guess
+    assert costs.v1 == pytest.approx(0.012)
+    costs.add(1, 0.010)  # later ones are averaged in (decayed, as into a probed v1)
+    assert costs.v1 == pytest.approx(0.012 + (0.010 - 0.012) / (0.95 + 1))
+    assert book.get(2, 25, lambda: pytest.fail("a probe ran")).v1_weight == 0  # nothing known yet: unmeasured
+    costs.estimated = 0  # after ESTIMATED_STEPS observed steps, other sizes are estimated from it
+    assert book.get(4, 25, None).estimated == ESTIMATED_STEPS and book.probes == 0
+    assert cost_book(tiny("decoder_only", seed=4), None).probe is False
+
+
+DRAFTS = {"ngram": (lambda target: NGramProposer(num_draft_tokens=6), {}),
+          "suffix": (lambda target: SuffixProposer(num_draft_tokens=6), {}),
+          "ngram tree": (lambda target: NGramProposer(num_draft_tokens=6), {"tree_top_k": 3, "tree_max_tokens": 12}),
+          "negative control: a draft model": (lambda target: perturbed(target, 0.05, seed=8), {})}
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_drafts_without_a_model_run_no_probe_forward(kind, monkeypatch):
+    """Counted target forwards: one prefill and one per step, nothing else, however many
+    generations run; a draft model's first generation adds its probe's forwards."""
+    target = tiny("decoder_only", seed=6)  # a model of its own: a fresh cost book
+    make, options = DRAFTS[kind]
+    decoder = SpeculativeDecoder(target, make(target), SpeculativeConfig(num_draft_tokens=6, **options))
+    prompts = [[5, 6, 7, 8, 9] * 4, [1, 2, 3] * 5 + [4]]
+    expected = autoregressive_generate(target, prompts, 30)
+    forwards = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *args, **kwargs: forwards.append(1) or forward(*args, **kwargs))
+    for _ in range(3):
+        assert decoder.generate(prompts, 30) == expected
+    extra = len(forwards) - 3 - decoder.stats.target_forwards  # beyond a prefill per generation and the steps
+    assert decoder.stats.drafted > 0
+    assert extra > 0 if kind.startswith("negative") else extra == 0

@@ -21,12 +21,20 @@ def test_longest_match_wins_and_most_recent_occurrence_is_used():
     assert propose(NGramProposer(max_ngram=2, min_ngram=2, num_draft_tokens=2), seq, 2) == [7, 7]
 
 
-def test_draft_length_follows_the_match_length():
-    seq = list(range(20)) + [0, 1, 2, 3]
-    long = NGramProposer(max_ngram=4, num_draft_tokens=8)
-    assert propose(long, seq, 8) == list(range(4, 12))  # a 4-gram match: the full 8 tokens
-    short = NGramProposer(max_ngram=4, num_draft_tokens=8)
-    assert len(propose(short, list(range(20)) + [3], 8)) == 2  # a 1-gram match: min_draft tokens
+def test_a_match_proposes_its_whole_continuation_up_to_k():
+    """No rule cuts a short match's draft (the adaptive policy chooses how much to verify):
+    a one-token match proposes as much as a four-token one, cut only by K, the row's limit
+    and the end of the history. Whether the match was long comes back as `preferred`."""
+    four_gram, one_gram = list(range(20)) + [0, 1, 2, 3], list(range(20)) + [3]
+    assert propose(NGramProposer(max_ngram=4, num_draft_tokens=8), four_gram, 8) == list(range(4, 12))
+    assert propose(NGramProposer(max_ngram=4, num_draft_tokens=8), one_gram, 8) == list(range(4, 12))
+    assert propose(NGramProposer(max_ngram=4, num_draft_tokens=8), one_gram, 5) == list(range(4, 9))
+    assert propose(NGramProposer(max_ngram=4, num_draft_tokens=32), one_gram, 32) == list(range(4, 20)) + [3]
+    proposer = NGramProposer(max_ngram=4, num_draft_tokens=8)
+    proposer.add_rows([one_gram, four_gram, [1, 2, 3]])
+    drafts, preferred = proposer.free_drafts([one_gram, four_gram, [1, 2, 3]], [8, 8, 8])
+    assert drafts == [list(range(4, 12)), list(range(4, 12)), []]
+    assert preferred == [False, True, False]  # the policy learns one-token matches apart
 
 
 def test_no_match_proposes_nothing_and_costs_one_plain_target_step():

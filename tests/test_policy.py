@@ -167,3 +167,31 @@ def test_the_floor_charges_a_token_only_its_verify_width(kept):
     assert policy._conf_alpha(1) < policy._break_even(costs)
     floor = policy._min_confidence(costs)
     assert floor <= 0.15 if kept else floor > 0.15
+
+
+@pytest.mark.parametrize("per_token, kept, widths", [(0.001, 0.9, (16, 24)), (0.05, 0.9, (2, 8)), (0.05, 0.0, (0, 0))],
+                         ids=["cheap width", "dear width", "negative control: never kept"])
+def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept, widths):
+    """Drafts without a model are never probed: v1 and the cost of width come from the steps'
+    own timings (here a forward of w tokens takes 0.1 + per_token * w seconds). Matches of 24
+    tokens whose positions are each kept with probability `kept`: where width is nearly free
+    the policy verifies nearly all of it, where each token costs half a forward only a few,
+    and drafting stays off where nothing drafted is kept."""
+    from speculative.costs import CostBook
+    from speculative.proposers.base import Proposal
+
+    policy = AdaptivePolicy(max_k=24, book=CostBook(probe=False))
+    draws, drafted = random.Random(0), []
+    for step in range(300):
+        policy.prepare(1, lambda: pytest.fail("a probe ran"), fresh=step == 0)
+        width = policy.plan(1, [24], [True], [24], has_model=False).width
+        accepted = next((j for j in range(width) if draws.random() >= kept), width)
+        proposal = Proposal(torch.zeros(1, width, dtype=torch.long), [width], free=[True])
+        policy.observe_step(1, proposal, [0], [accepted], 0.1 + per_token * (width + 1), 0, 0.0, [True])
+        drafted.append(width)
+    costs = policy.costs[1]
+    assert costs.verify(1) == pytest.approx(0.1 + per_token)  # a plain step was timed
+    if kept:
+        assert costs.verify(9) == pytest.approx(0.1 + 9 * per_token)  # and two widths at least
+    late = sorted(drafted[-100:])
+    assert widths[0] <= late[50] <= widths[1]

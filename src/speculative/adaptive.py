@@ -9,9 +9,15 @@ workload that changes from easy to hard prompts:
   estimates made lookup drafts of a single matched token look as good as a draft head's);
 - costs at each batch size: a target forward of width 1 costs v1 seconds, and of width
   T >= 2 a line fitted to (T, seconds) (width 1 is apart: on CPUs a one-row product is a
-  matrix-vector kernel of its own); first from probe forwards, measured once per pair of
-  models in the process, or estimated from other batch sizes (`costs.CostBook`), then
-  from every step; one forward of the draft model over the batch costs d seconds;
+  matrix-vector kernel of its own); one forward of the draft model over the batch costs d
+  seconds. A draft model's costs come first from probe forwards, measured once per pair
+  of models in the process, or estimated from other batch sizes (`costs.CostBook`), then
+  from every step. Drafts without a model (lookup) learn them from the steps alone: every
+  step is a target forward of a known width, timed anyway. Until a step is timed every
+  width costs the same (drafting is tried); while recent steps all had one width, the
+  next drafting step takes half of it, so that the line gets a slope; and a model-free
+  policy that has drafted `probe_every` steps without ever timing a one-token forward
+  takes one plain step, so that v1 is known where deciding whether to draft at all;
 - acceptance of the draft model as a function of its confidence (its probability for
   the token).
 
@@ -58,10 +64,21 @@ class Costs:
     estimated: int = 0
     # Steps observed at this batch size.
     steps: int = 0
+    # Decayed weight of the one-token timings in v1: 20 moves it 5% per timing; 0 = none
+    # yet, v1 a guess (what the cheapest wider forward cost) that the first one replaces.
+    v1_weight: float = 20.0
+
+    @classmethod
+    def unmeasured(cls) -> "Costs":
+        """Costs before any timing (drafts without a model, which are never probed): every
+        width costs one unit, so drafting is tried, until the steps' own timings come in
+        (taken as they come for the first ESTIMATED_STEPS, as an estimate's are)."""
+        return cls(v1=1.0, draft=0.0, v1_weight=0.0, estimated=ESTIMATED_STEPS)
 
     def renew(self, other: "Costs") -> None:
         """Take another's figures in place (every policy holding this object sees them)."""
         self.v1, self.draft, self.sums, self.estimated = other.v1, other.draft, list(other.sums), other.estimated
+        self.v1_weight = other.v1_weight
 
     def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
         """One timing; `robust` caps it at twice the current estimate, so that one stall
@@ -69,14 +86,26 @@ class Costs:
         if robust and not self.estimated and (self.sums[0] > 0 or width == 1):
             seconds = min(seconds, 2 * self.verify(width))
         if width == 1:
-            self.v1 = decay * self.v1 + (1 - decay) * seconds
+            self.v1_weight = decay * self.v1_weight + weight
+            self.v1 += (seconds - self.v1) * weight / self.v1_weight
             return
+        if not self.v1_weight:  # no one-token forward timed yet: one costs at most this one
+            self.v1 = min(self.v1, seconds) if self.sums[0] > 0 else seconds
         point = (1.0, width, seconds, width * width, width * seconds)
         self.sums = [decay * s + weight * p for s, p in zip(self.sums, point)]
 
+    def widths_vary(self) -> bool:
+        """Whether the widths (>= 2) timed lately differ enough to give the line a slope
+        (weighted variance of at least 0.1: old widths fade with the timings' decay)."""
+        n, x, _, xx, _ = self.sums
+        return n > 0 and (n * xx - x * x) / (n * n) >= 0.1
+
     def line(self) -> tuple[float, float]:
-        """(intercept, slope) of the fit for widths >= 2; slope never negative."""
+        """(intercept, slope) of the fit for widths >= 2; slope never negative; flat at v1
+        before any such width is timed."""
         n, x, y, xx, xy = self.sums
+        if n <= 0:
+            return self.v1, 0.0
         spread = n * xx - x * x
         slope = max(0.0, (n * xy - x * y) / spread) if spread > 1e-12 else 0.0
         return (y - slope * x) / n, slope
@@ -204,6 +233,8 @@ class AdaptivePolicy:
     model_idle_steps: int = 0
     # Model steps since one drafted without the confidence floor.
     floor_steps: int = 0
+    # Drafting steps in a row, while no one-token forward has been timed (unmeasured costs).
+    busy_steps: int = 0
     # Where costs come from for a batch size not planned yet: a `costs.CostBook` shared by
     # every policy on the same models; None: measured by each policy itself.
     book: object = None
@@ -216,13 +247,14 @@ class AdaptivePolicy:
         tree = TreeBudget(config.tree_max_tokens, config.num_draft_tokens) if config.trees else None
         return cls(max_k=config.num_draft_tokens, book=book, tree=tree)
 
-    def prepare(self, batch: int, measure) -> None:
+    def prepare(self, batch: int, measure, fresh: bool = True) -> None:
         """Have costs for a batch of this many rows before planning it: from the book (which
-        measures only when it knows no batch size at all, and once more when warm) or,
-        without a book, `measure()`."""
+        measures only when it knows no batch size at all, and once more when warm, only
+        where a draft model needs it and only in a `fresh` step, before any of the rows
+        has a token) or, without a book, `measure()`."""
         widest = max(self.max_k, self.tree.max_nodes if self.tree else 0) + 1
         if self.book is not None:
-            self.costs[batch] = self.book.get(batch, widest, measure)
+            self.costs[batch] = self.book.get(batch, widest, measure, fresh)
         elif batch not in self.costs:
             self.costs[batch] = measure()
 
@@ -234,8 +266,9 @@ class AdaptivePolicy:
         self.weak_lookup = self.weak_lookup or Acceptance(self.max_k)
 
     def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int], caps: list[int]) -> int:
-        """The node budget of a tree step (`TreeBudget.plan`)."""
-        return self.tree.plan(self.costs[batch], sources, lookup_sizes, caps)
+        """The node budget of a tree step (`TreeBudget.plan`; 0 where v1 must be timed)."""
+        budget = self.tree.plan(self.costs[batch], sources, lookup_sizes, caps)
+        return 0 if self._time_one_token(self.costs[batch], budget > 0) else budget
 
     def observe_tree(self, batch: int, sources: list[str | None], paths: list[list[int]], depths: list[int],
                      caps: list[int], budget: int, width: int, verify_seconds: float, draft_forwards: int,
@@ -251,7 +284,7 @@ class AdaptivePolicy:
         match is long enough) and may draft at most caps[b] tokens."""
         costs = self.costs[batch]
         model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
-        best, best_rate = Plan(0, False), batch / costs.verify(1)
+        best, best_rate, best_widest = Plan(0, False), batch / costs.verify(1), 0
         e_model, e_strong, e_weak = self.model.expected(), self.lookup.expected(), self.weak_lookup.expected()
         for use_model in (False, True) if model_pays else (False,):
             for width in range(1, self.max_k + 1):
@@ -275,6 +308,10 @@ class AdaptivePolicy:
                 rate = tokens / (costs.verify(widest + 1) + drafting)
                 if rate > best_rate:
                     best, best_rate = Plan(width, use_model and model_width > 0, lookup_rows=lookup_rows), rate
+                    best_widest = widest
+        timing = self._timing_step(costs, best, best_widest)
+        if timing is not None:
+            return timing
         could_use_model = has_model and any(not p and c > 0 for p, c in zip(preferred, caps))
         self.model_idle_steps = self.model_idle_steps + 1 if could_use_model and not best.use_model else 0
         self.idle_steps = self.idle_steps + 1 if best.width == 0 else 0
@@ -292,6 +329,23 @@ class AdaptivePolicy:
             else:
                 best.min_confidence = self._min_confidence(costs)
         return best
+
+    def _timing_step(self, costs: Costs, best: Plan, widest: int) -> Plan | None:
+        """A step that times what costs learned from steps alone still lack (the module
+        docstring): half the widest draft while recent widths never varied, or once a plain
+        step."""
+        if widest >= 2 and costs.sums[0] > 0 and not costs.widths_vary():
+            return Plan(widest // 2, best.use_model, lookup_rows=best.lookup_rows)
+        return Plan(0, False) if self._time_one_token(costs, best.width > 0) else None
+
+    def _time_one_token(self, costs: Costs, drafting: bool) -> bool:
+        """Whether this step should be plain: drafting has gone on for `probe_every` steps
+        and no one-token forward was ever timed (only costs learned from steps lack one)."""
+        self.busy_steps = self.busy_steps + 1 if drafting and not costs.v1_weight else 0
+        if self.busy_steps > self.probe_every:
+            self.busy_steps = 0
+            return True
+        return False
 
     @staticmethod
     def _break_even(costs: Costs) -> float:
@@ -371,7 +425,7 @@ class FixedPolicy:
     def observe_tree(self, *step) -> None:
         pass
 
-    def prepare(self, batch: int, measure) -> None:
+    def prepare(self, batch: int, measure, fresh: bool = True) -> None:
         pass  # plans without costs
 
     def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],

@@ -1,12 +1,16 @@
 """What forwards cost, measured once per pair of models in the process and shared.
 
 The adaptive policy plans from the seconds of a target forward by width and of a draft
-forward, at the batch size it plans for. Probe forwards measure them, but on a large model
-they cost seconds, so they run only when a `CostBook` knows no batch size at all: once per
-(target, draft) pair, dtype, thread count and device in the process, at the batch size of
-the first step that needs them. Every later decoder or engine on those models reuses the
-book, and a batch size never seen is estimated from the sizes the book knows, never
-probed:
+forward, at the batch size it plans for. Drafts without a model (n-gram, suffix and
+lookup trees) are never probed: every step is a target forward of a known width, and its
+timing is all the policy needs (`Costs.unmeasured`, `AdaptivePolicy`); a probe costs a
+short request a tenth of its time or more (6 forwards, 0.35-0.5 s on Gemma 3 270M). A draft
+model's cost must be known before its first step: probe forwards measure it, but on a
+large model they cost seconds, so they run only when a `CostBook` knows no batch size at
+all: once per (target, draft) pair, dtype, thread count and device in the process, at the
+batch size of the first step that needs them. Every later decoder or engine on those
+models reuses the book, and a batch size never seen is estimated from the sizes the book
+knows, never probed:
 
 - between two known sizes, by linear interpolation;
 - beyond them, by treating a forward of B rows of width T as one of B*T rows at the
@@ -18,7 +22,8 @@ to estimate other sizes once a few steps have been observed.
 
 The first forwards of a process can run many times slower than later ones (allocations,
 page faults, a busy machine): the book probes a second time once it has seen REPROBE_AFTER
-steps, and that warm probe replaces everything the first one led to.
+steps, at the first step of a request after that (never in the middle of one), and that
+warm probe replaces everything the first one led to.
 """
 
 from __future__ import annotations
@@ -42,23 +47,29 @@ _BOOKS_LOCK = threading.Lock()
 class CostBook:
     """Costs by batch size for one pair of models (all policies on them share it)."""
 
-    def __init__(self, draft=None):
+    def __init__(self, draft=None, probe: bool = True):
         self.costs: dict[int, Costs] = {}
         self.probes = 0
+        # False: never measure, learn from the steps (drafts without a model).
+        self.probe = probe
         self._draft = None if draft is None else weakref.ref(draft)
 
     def draft_alive(self, draft) -> bool:
         return (self._draft is None) == (draft is None) and (draft is None or self._draft() is draft)
 
-    def get(self, batch: int, max_width: int, measure) -> Costs:
+    def get(self, batch: int, max_width: int, measure, fresh: bool = True) -> Costs:
         """Costs at this batch size: known, estimated from known sizes, or (the book being
-        empty) measured by `measure()`."""
+        empty) measured by `measure()`, or left to the steps when the book does not probe.
+        The warm probe waits for a `fresh` step (no running request has a token yet)."""
         costs = self.costs.get(batch)
         if costs is None:
             known = {b: c for b, c in self.costs.items() if not c.estimated}
-            costs = estimate(known, batch, max_width) if known else self._probe(measure)
+            if known:
+                costs = estimate(known, batch, max_width)
+            else:
+                costs = self._probe(measure) if self.probe else Costs.unmeasured()
             self.costs[batch] = costs
-        elif self.probes == 1 and sum(c.steps for c in self.costs.values()) >= REPROBE_AFTER:
+        elif fresh and self.probes == 1 and sum(c.steps for c in self.costs.values()) >= REPROBE_AFTER:
             costs.renew(self._probe(measure))  # warm now: start again from this probe alone
             for size, other in self.costs.items():
                 if other is not costs:
@@ -71,13 +82,14 @@ class CostBook:
 
 
 def cost_book(target, draft) -> CostBook:
-    """The process-wide book of this target and draft model (None: lookup or no drafting)."""
+    """The process-wide book of this target and draft model (None: lookup or no drafting,
+    whose costs are learned from the steps, never probed)."""
     key = (None if draft is None else id(draft), _dtype(target), torch.get_num_threads(), str(target.device))
     with _BOOKS_LOCK:
         books = _BOOKS.setdefault(target, {})
         book = books.get(key)
         if book is None or not book.draft_alive(draft):  # an id reused by a new draft model
-            book = books[key] = CostBook(draft)
+            book = books[key] = CostBook(draft, probe=draft is not None)
     return book
 
 

@@ -319,11 +319,13 @@ class Engine:
 
     def _policy(self, rows: list[Row], sequences: list[list[int]], widest: int):
         """The policy of this step (fixed while a seeded sampled row runs), with costs for
-        this batch size (probed up to `widest` drafted tokens when none are known)."""
+        this batch size (probed up to `widest` drafted tokens when none are known and a
+        draft model needs them; a probe waits for a step where no row has a token yet)."""
         policy = self.fixed if any(row.pins_k for row in rows) else self.policy
+        fresh = not any(row.generated for row in rows)
         with LEARNING:
             policy.prepare(len(rows), lambda: measure(self.target, self.state, sequences, self.proposer, widest,
-                                                      self.clock))
+                                                      self.clock), fresh)
         return policy
 
     def _draft(self, sequences, caps, lookups, preferred, plan, stats: DecodeStats):

@@ -20,7 +20,9 @@ nothing about larger budgets, so the next step drafts at least twice as many nod
 copied from the prompt then climbs to the full budget at once (waiting for the probe, a
 replay of Gemma 3 270M's grounded prompts sat at 7-8 of 24 nodes, each tree kept whole).
 A draft model's trees do not grow so: each depth costs it a forward, which the plan
-weighs (forced growth cost the shipped verifier's head trees 1.30x -> 1.18x).
+weighs (forced growth cost the shipped verifier's head trees 1.30x -> 1.18x). Nor does a
+budget whose expected rate is below a plain step's: where verify width is dear, trees of
+one node kept whole doubled to 12 and back every few steps.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class TreeBudget:
         draft = costs.draft if self.draft is None else self.draft
         depth_cap = max([cap for source, cap in zip(sources, caps) if source == MODEL], default=0)
         best, best_rate = 0, len(sources) / costs.verify(1)
+        plain_rate, rates = best_rate, [best_rate]
         for n in range(1, self.max_nodes + 1):
             tokens, widest = 0.0, 0
             for source, size in zip(sources, lookup_sizes):
@@ -102,9 +105,12 @@ class TreeBudget:
                 widest = max(widest, nodes)
             drafting = min(n, depth_cap) * draft
             rate = tokens / (costs.verify(1 + widest) + drafting)
+            rates.append(rate)
             if rate > best_rate:
                 best, best_rate = n, rate
-        best, self.grow = max(best, self.grow), 0
+        if rates[self.grow] > plain_rate:  # growth that would be slower than a plain step is not tried
+            best = max(best, self.grow)
+        self.grow = 0
         self.idle_steps = self.idle_steps + 1 if best < self.max_nodes else 0
         if self.idle_steps >= self.probe_every:  # learn what the larger budgets keep
             self.idle_steps = 0

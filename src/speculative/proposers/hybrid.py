@@ -13,11 +13,12 @@ from __future__ import annotations
 from .base import Proposal
 from .draft_model import DraftModelProposer
 from .head import HeadProposer
-from .ngram import NGramProposer
+from .ngram import STRONG_MATCH, NGramProposer
 
 
 class HybridProposer:
-    def __init__(self, model_proposer: DraftModelProposer | HeadProposer, ngram: NGramProposer | None = None, min_match: int = 2):
+    def __init__(self, model_proposer: DraftModelProposer | HeadProposer, ngram: NGramProposer | None = None,
+                 min_match: int = STRONG_MATCH):
         self.drafter = model_proposer
         self.ngram = ngram or NGramProposer()
         self.min_match = min_match

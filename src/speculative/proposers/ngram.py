@@ -16,6 +16,10 @@ from .base import Proposal
 
 # Earlier occurrences of a suffix that contribute branches to a tree (the most recent ones).
 MAX_BRANCHES = 64
+# Matches of at least this many tokens are `preferred`: a draft model (hybrid) drafts for
+# shorter ones, and the adaptive policy learns their acceptance apart (a one-token match
+# is right far less often).
+STRONG_MATCH = 2
 
 
 class _RowIndex:
@@ -63,10 +67,13 @@ class NGramProposer:
     row's own prompt and output, and proposing the tokens that followed the most recent
     earlier occurrence.
 
-    Unlike a fixed n, trying the longest n first finds the most specific match, and the
-    draft length follows the match: a match of n tokens proposes up to
-    num_draft_tokens * n / max_ngram tokens (at least `min_draft`), because short
-    matches are more often coincidences.
+    Unlike a fixed n, trying the longest n first finds the most specific match. A match
+    proposes its whole continuation, up to num_draft_tokens: how much of it to verify is
+    the adaptive policy's choice, from the acceptance it measured for matches this long
+    (`preferred`: at least STRONG_MATCH tokens, or shorter) and the cost of verify width.
+    (Cutting drafts by match length, K*n/max_ngram tokens, needed 49 forwards where drafting
+    up to 10 needed 44 on a grounded-editing replay with Gemma 3 270M.) `min_draft` is
+    checked but no longer used: no rule cuts a draft below what the policy chooses.
     """
 
     vocab_size = None  # proposes ids taken from the row itself
@@ -95,11 +102,14 @@ class NGramProposer:
         self.rows += [_RowIndex(self.min_ngram, self.max_ngram) for _ in prompts]
 
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]:
-        """Every row's lookup draft, always taken (there is no model to prefer)."""
-        return self.lookup(sequences, limits)[0], [True] * len(sequences)
+        """Every row's lookup draft (always taken: there is no model), preferred where its
+        match is long (the policy then judges it by the long matches' acceptance)."""
+        drafts, matched = self.lookup(sequences, limits)
+        return drafts, [n >= STRONG_MATCH for n in matched]
 
     def lookup(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[int]]:
-        """Per row: the drafted tokens, and the length n of the n-gram matched (0: none)."""
+        """Per row: the tokens that followed the match, up to its limit and K (none without
+        a match), and the length n of the n-gram matched (0: none)."""
         drafts, matched = [], []
         for index, seq, limit in zip(self.rows, sequences, limits):
             k = min(limit, self.num_draft_tokens)
@@ -110,8 +120,7 @@ class NGramProposer:
                 drafts.append([])
                 matched.append(0)
                 continue
-            budget = max(self.min_draft, (k * n) // self.max_ngram)
-            drafts.append(seq[end:end + min(k, budget)])
+            drafts.append(seq[end:end + k])
             matched.append(n)
         return drafts, matched
 
@@ -124,14 +133,13 @@ class NGramProposer:
                       max_nodes: int) -> tuple[list[Tree], list[int]]:
         """Per row: a tree of what followed every earlier occurrence of its longest matched
         suffix (shared prefixes merged, branches ranked by how often they occur, the most
-        recent first among equals), and the length n of that suffix (0: none). Depth as for
-        a chain draft, at most limits[b]."""
+        recent first among equals), and the length n of that suffix (0: none). As deep as
+        a chain draft: up to K and limits[b] (the node budget cuts it)."""
         trees, matched = [], []
         for index, seq, limit in zip(self.rows, sequences, limits):
             k = min(limit, self.num_draft_tokens)
             ends, n = index.occurrences(seq) if k > 0 else ([], 0)
-            depth = min(k, max(self.min_draft, (k * n) // self.max_ngram))
-            trees.append(from_branches(self.continuations(seq, ends, depth), top_k, max_nodes, depth))
+            trees.append(from_branches(self.continuations(seq, ends, k), top_k, max_nodes, k))
             matched.append(n)
         return trees, matched
 

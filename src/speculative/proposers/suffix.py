@@ -110,7 +110,7 @@ class SuffixProposer:
                     if self.cache.index.get(tuple(seq[len(seq) - size:])):
                         n, ends = size, [e for e in ends if e >= size and seq[e - size:e] == seq[-size:]]
                         break
-                depth = min(k, max(ngram.min_draft, (k * n) // ngram.max_ngram))
+                depth = k  # the whole continuation, as a chain draft (ngram.py)
                 branches = ngram.continuations(seq, ends, depth)
                 if n:
                     branches += self.cache.continuations(tuple(seq[len(seq) - n:]), depth)
