@@ -1,6 +1,6 @@
 """What int8 costs in quality: perplexity and greedy agreement, float32 / bfloat16 / int8.
 
-    python benchmarks/run.py int8-quality     # Qwen2.5-Coder 1.5B and 0.5B, Gemma 3 270M (about an hour)
+    python benchmarks/run.py int8-quality     # Gemma 3 270M, Qwen2.5-Coder 0.5B and 1.5B (half an hour)
 
 Perplexity on held-out text the models were not tuned on here: assistant replies of
 held-out ShareGPT conversations (its own split, `train/sharegpt.py`) and Python standard
@@ -22,8 +22,8 @@ import torch
 
 from speculative import autoregressive_generate, load_model
 
-CHUNK, CHUNKS, AGREEMENT_TOKENS = 512, 8, 128
-MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma-3-270m")
+CHUNK, CHUNKS, AGREEMENT_TOKENS, AGREEMENT_PROMPTS = 512, 4, 128, 1
+MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 PRECISIONS = ("float32", "bfloat16", "int8")
 STDLIB_FILES = ("textwrap.py", "difflib.py", "fractions.py", "shlex.py")
 
@@ -63,7 +63,7 @@ def agreement_prompts(tokenizer) -> list[list[int]]:
 
     here = Path(__file__).parent
     rows = [json.loads(line) for name in ("code_completion.jsonl", "chat.jsonl")
-            for line in (here / name).read_text().splitlines()[:3]]
+            for line in (here / name).read_text().splitlines()[:AGREEMENT_PROMPTS]]
     return [tokenizer.chat(r["prompt"]) if r.get("chat") and tokenizer.has_chat_template() else
             tokenizer.encode(r["prompt"]) for r in rows]
 
@@ -94,14 +94,14 @@ def section(save_per_machine, log=print) -> None:
                 shared(a, b) for a, b in zip(continuations[precision], continuations["bfloat16"])]
             rows[precision]["vs_bfloat16"] = {s: rows[precision][s] / rows["bfloat16"][s] - 1 for s in corpus}
         entry["models"][name] = rows
-    save_per_machine("int8-quality", entry, title="int8 quality: perplexity and greedy agreement with bfloat16")
+        save_per_machine("int8-quality", entry, title="int8 quality: perplexity and greedy agreement with bfloat16")
 
 
 def render(report: dict, legend) -> list[str]:
     parts = [f"### {report['title']}\n",
              f"Perplexity on chunks of {CHUNK} tokens (held-out ShareGPT replies; Python stdlib source), and the "
              "difference to bfloat16's; greedy agreement: tokens shared with bfloat16's continuation from the start, "
-             f"of {AGREEMENT_TOKENS}, for 3 code and 3 chat prompts.\n"]
+             f"of {AGREEMENT_TOKENS}, for {AGREEMENT_PROMPTS} code and {AGREEMENT_PROMPTS} chat prompt(s).\n"]
     machines = report["machines"]
     parts += legend(machines)
     parts += ["| machine | model | precision | ShareGPT ppl | vs bf16 | stdlib ppl | vs bf16 | agreement |",

@@ -5,12 +5,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import helpers.py
-torch.set_num_threads(int(os.environ.get("SPECULATIVE_TEST_THREADS", min(2, torch.get_num_threads()))))
+# Torch threads of each test process: SPECULATIVE_TEST_THREADS, else this machine's (at most 2)
+# shared among pytest-xdist's workers (`make test` runs two); the processes tests start get as many.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = int(os.environ.get("SPECULATIVE_TEST_THREADS", max(1, min(2, torch.get_num_threads()) // WORKERS)))
+os.environ["SPECULATIVE_TEST_THREADS"] = str(THREADS)
+torch.set_num_threads(THREADS)
 
 
 def pytest_terminal_summary(terminalreporter, config):
     """The quick run (`make test`, -m "not slow") says what it left out and how to run it."""
     if "not slow" in (config.option.markexpr or ""):
-        left = len(terminalreporter.stats.get("deselected", []))
-        terminalreporter.write_line(f"{left} slow tests left out (long statistical and end-to-end tests); "
-                                    "`make test-all` runs every test")
+        left = len(terminalreporter.stats.get("deselected", []))  # 0 under pytest-xdist: its workers deselect
+        terminalreporter.write_line(f"{f'{left} ' if left else ''}slow tests left out (long statistical and "
+                                    "end-to-end tests); `make test-all` runs every test")

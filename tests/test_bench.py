@@ -140,11 +140,13 @@ def test_one_stalled_forward_does_not_switch_speculation_off():
 
 
 class ComputeBoundTarget(TableModel):
-    """A Markov table whose forward takes 1 ms plus 0.4 ms per token in the batch: like a
-    CPU, where one row leaves the matrix units idle and many rows fill them."""
+    """A Markov table whose forward takes 5 ms plus 2 ms per token in the batch: like a
+    CPU, where one row leaves the matrix units idle and many rows fill them. Long enough that
+    the engine's own Python time, which grows when other processes share the cores (tests in
+    parallel), stays small beside it."""
 
     def forward(self, tokens, state, num_valid=None, keep_logits=True):
-        time.sleep(0.001 + 0.0004 * tokens.numel())
+        time.sleep(0.005 + 0.002 * tokens.numel())
         return super().forward(tokens, state, num_valid, keep_logits)
 
 
@@ -178,8 +180,8 @@ def test_adaptive_drafting_stops_at_a_batch_size_where_it_cannot_pay():
         assert decoder.generate(prompts, 60) == autoregressive_generate(target, prompts, 60)
         drafted_per_row[size] = decoder.stats.drafted / size / decoder.stats.target_forwards
     # Drafts of 4 tokens, all kept half the time: 3 tokens a step. One row: a forward of 5
-    # tokens costs 3 ms against 1.4 ms for one, so nearly every step drafts. 16 rows: 33 ms against
-    # 7.4 ms, more than the tokens it saves (narrower drafts neither), so only probes draft.
+    # tokens costs 15 ms against 7 ms for one, so nearly every step drafts. 16 rows: 165 ms against
+    # 37 ms, more than the tokens it saves (narrower drafts neither), so only probes draft.
     assert drafted_per_row[1] > 2
     assert drafted_per_row[16] < 0.3
 

@@ -466,6 +466,7 @@ def test_every_draft_kind_works_with_every_tree_option(kind, top_k, max_tokens, 
         assert [out[0], out[1]] == expected
 
 
+@pytest.mark.slow  # two runs of the command (the library test above covers every draft kind with trees)
 def test_the_cli_generates_with_an_s4d_draft_and_trees():
     common = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--draft", "s4d"]
     chains = cli(*common)

@@ -464,6 +464,8 @@ MALFORMED = [  # (path, body, status, param, words)
     (CHAT, {"model": "default", "messages": HI, "max_tokens": 100_000}, 400, "messages", ["max_tokens is 100000"]),
     (COMPLETIONS, {"model": "default", "prompt": [1, 2, 10 ** 9]}, 400, "prompt", ["token id 1000000000",
                                                                                    "allowed 0..4095"]),
+    (COMPLETIONS, {"model": "default", "prompt": "x", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids",
+     ["token id 1000000000", "allowed 0..4095"]),  # the engine's refusal, without the engine's request id
     (COMPLETIONS, {"model": "default", "prompt": ["a"] * 4, "max_tokens": 1}, 413, "prompt",
      ["4 prompts", "at most 3 at once"]),
     (CHAT, {"model": "default", "messages": [{"role": "system", "content": "be brief"}, *HI]}, 400, "messages",
@@ -659,3 +661,82 @@ def test_a_truncated_gguf_file_is_named(tmp_path, size):
     with pytest.raises(ValueError) as caught:
         load_model(tmp_path / "m.gguf")
     assert str(tmp_path / "m.gguf") in str(caught.value)
+
+
+# --- the second probe (dev/probes.py): settings a file does not take, ids no job writes ------
+
+@pytest.mark.parametrize("front_end", ["generate", "bench"])
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens", "messages", "temperature", "top_k", "top_p",
+                                 "seed", "stop", "stop_token_ids"])
+def test_a_prompt_line_with_a_setting_it_does_not_take_is_refused_naming_it(tmp_path, capsys, monkeypatch,
+                                                                            front_end, key):
+    """Batch records and the server take these per prompt; a prompt line would be generated
+    without them, so it is refused (other keys, such as labels, are still ignored)."""
+    import speculative as package
+    from speculative.prompt_files import NOT_LINE_SETTINGS
+
+    monkeypatch.setattr(package, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "kind": "a label"}) + "\n" + json.dumps({"prompt": "x", key: 1}) + "\n")
+    args = ["generate", "--prompt-file", str(path)] if front_end == "generate" else ["bench", "--prompts", str(path)]
+    refused_in_process(capsys, args, "p.jsonl line 2", f'"{key}" is not a setting of a prompt line',
+                       NOT_LINE_SETTINGS[key])
+
+
+@pytest.mark.parametrize("key", ["max_new_tokens", "max_completion_tokens", "chat", "top_k", "top_p",
+                                 "stop_token_ids"])
+def test_a_record_with_a_setting_records_do_not_take_gets_an_error_naming_it(key):
+    from speculative import load_tokenizer
+    from speculative.batch import NOT_RECORD_SETTINGS, ModelSpec, request_of
+
+    tokenizer = load_tokenizer("default")
+    with pytest.raises(ValueError, match=f'"{key}" is not a field of a record') as caught:
+        request_of({"id": 1, "prompt": "x", key: 5}, tokenizer, ModelSpec())
+    assert NOT_RECORD_SETTINGS[key] in str(caught.value)
+    # null is left out (a Parquet column other rows fill), and other keys are labels, ignored
+    ids, params, _ = request_of({"id": 1, "prompt": "x", key: None, "source": "a label"}, tokenizer, ModelSpec())
+    assert ids == tokenizer.encode("x") and params.max_new_tokens == ModelSpec().max_new_tokens
+
+
+@pytest.mark.parametrize("line", ['{"id": [1]}', '{"id": {"a": 1}}', '{"id": 1.0}', '{"id": true}', '{"id": null}',
+                                  '{"text": "no id"}'])
+def test_an_output_line_with_an_id_no_job_writes_is_refused_and_the_output_left_as_it_was(tmp_path, capsys, line):
+    """A float id 1.0 would pass for the record 1 and skip it; a list cannot be an id at all."""
+    path = make_input(tmp_path)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 2, "text": "ok"}\n' + line.encode() + b'\n{"id": 1, "te')  # a last line cut short
+    before = snapshot(tmp_path)
+    refused_in_process(capsys, ["batch", str(path), str(out), "--no-progress"], "out.jsonl line 2",
+                       "a string or integer id")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "1.5", "nan", "inf"])
+def test_a_top_p_outside_its_range_is_refused_naming_the_option(capsys, value):
+    refused_in_process(capsys, ["generate", "--temperature", "1", "--top-p", value], "--top-p", "> 0 and <= 1")
+
+
+@pytest.mark.parametrize("kind", ["a device", "a pipe"])
+def test_a_device_or_a_pipe_as_a_model_is_refused_without_reading_it(tmp_path, kind):
+    from speculative import load_model
+
+    path = Path("/dev/null") if kind == "a device" else tmp_path / "pipe"
+    if kind == "a pipe":
+        os.mkfifo(path)  # reading it would wait forever
+    with pytest.raises(ValueError, match=f"{path} is neither a model directory nor a .gguf file"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("out, words", [("/proc/speculative-export", ["cannot write in /proc"]),
+                                        ("file/sub", ["file is a file", "file/sub cannot be made inside it"])])
+def test_an_export_where_nothing_can_be_made_is_refused_before_loading(tmp_path, capsys, monkeypatch, out, words):
+    """Root passes every permission check, even where nothing can be made (/proc)."""
+    pytest.importorskip("transformers")
+    import speculative as package
+
+    monkeypatch.setattr(package, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    before = snapshot(tmp_path)
+    refused_in_process(capsys, ["export", "default-draft", out], *words)
+    assert snapshot(tmp_path) == before

@@ -230,6 +230,7 @@ AVX2 = frozenset({"avx2", "fma"})
     (VNNI, 1_500_000_000, True, "auto: int8, since this CPU"),
     (VNNI, None, True, "VNNI, no AMX"),
     (VNNI, 15_000_000, False, "too small for 16 bits to pay"),
+    (VNNI, 268_000_000, False, "auto: bfloat16"),  # Gemma 3 270M: int8 costs it 7% in perplexity
     (AMX, 1_500_000_000, False, "auto: bfloat16"),
     (AVX2, 1_500_000_000, False, "auto: float32"),
 ])
@@ -239,6 +240,7 @@ def test_auto_picks_int8_where_the_cpu_multiplies_8_bit_integers_and_has_no_amx(
     assert resolve_precision("auto", "cpu", VNNI, 10 ** 9, int8_runs=False)[0] is False
 
 
+@pytest.mark.slow  # end to end (a process quantizing the target); int8 exactness is tested in-process above
 def test_generate_runs_an_int8_target_and_says_so():
     run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "int8", "--max-new-tokens",
                           "24", "--verbose"], capture_output=True, text=True)

@@ -95,6 +95,7 @@ def test_speculative_sampling_matches_target_distribution(models, case):
     assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
 
 
+@pytest.mark.slow  # a G-test; s4d targets stay greedy-exact, s4d drafts seeded-exact, in the quick run
 def test_s4d_pair_is_lossless():
     target = sharpen(tiny("s4d", vocab=VOCAB, seed=13), 12.0)
     draft = sharpen(tiny("s4d", vocab=VOCAB, seed=14), 12.0)

@@ -81,7 +81,7 @@ def test_generate_a_jsonl_batch_keeps_the_input_order(tmp_path, capsys):
     (["--target", "someone/some-model"], "looks like a hub model name"),
     (["--prompt-file", "/no/such/file.txt"], "does not exist"),
     (["--chat", "--prompt", "hi"], "has no chat template"),
-    (["--top-p", "0"], "0 < top_p <= 1"),
+    (["--top-p", "0"], "--top-p: must be a finite number > 0 and <= 1"),
     (["--prompt", " ".join(map(str, range(1000)))], "exceed the target model's maximum length of 512"),
 ])
 def test_generate_errors(args, message, capsys):

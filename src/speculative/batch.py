@@ -24,8 +24,13 @@ from typing import Callable, Hashable, Iterable, Iterator
 from .config import MAX_NEW_TOKENS
 from .rows import SEED_RANGE, SamplingParams
 
-# Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored.
+# Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored,
+# except settings that other front-ends take and records do not (refused: the record would be
+# generated without them), with what to write instead.
 FIELDS = ("max_tokens", "temperature", "seed", "stop")
+NOT_RECORD_SETTINGS = {"max_new_tokens": 'write "max_tokens"', "max_completion_tokens": 'write "max_tokens"',
+                       "chat": 'give "messages" for a chat', "top_k": "records sample from all tokens",
+                       "top_p": "records sample from all tokens", "stop_token_ids": 'give "stop" strings'}
 
 
 @dataclass
@@ -61,7 +66,7 @@ class ModelSpec:
 
     def check(self) -> "ModelSpec":
         """A copy with the defaults resolved and the options checked, before any model loads."""
-        from .cli import LOOKUPS, ngram_sizes
+        from .cli import LOOKUP_K, LOOKUPS, ngram_sizes
         from .cli_checks import check_draft_options
         from .inputs import check_device
         from .loading import PARTNERS
@@ -74,7 +79,7 @@ class ModelSpec:
         check_draft_options(spec, spec.draft)
         ngram_sizes(spec, spec.draft)
         if spec.num_draft_tokens is None:
-            spec.num_draft_tokens = 10 if spec.draft in LOOKUPS else 4
+            spec.num_draft_tokens = LOOKUP_K if spec.draft in LOOKUPS else 4
         if isinstance(spec.max_batch_size, bool) or not isinstance(spec.max_batch_size, int) or spec.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be an integer >= 1, got {spec.max_batch_size!r}")
         return spec
@@ -111,6 +116,10 @@ def request_of(record: dict, tokenizer, spec: ModelSpec,
     """(prompt ids, sampling params, stop strings) of one record; ValueError says what is wrong,
     in the record's own terms. `context`: the most tokens, prompt and output, the models hold."""
     has = {key: record.get(key) is not None for key in ("prompt", "messages", *FIELDS)}  # null = left out
+    for key, instead in NOT_RECORD_SETTINGS.items():
+        if record.get(key) is not None:
+            raise ValueError(f"\"{key}\" is not a field of a record, which takes \"prompt\" or \"messages\", and "
+                             f"{', '.join(map(json.dumps, FIELDS))}; {instead}")
     if has["prompt"] == has["messages"]:
         raise ValueError("a record needs either \"prompt\" (text or token ids) or \"messages\" (a chat), "
                          f"{'not both' if has['prompt'] else 'got neither'}")

@@ -135,12 +135,10 @@ class OutputFile:
         self.file = open(self.path, "a", encoding="utf-8")
 
     def _resume(self) -> None:
-        """Read back the ids written so far; cut off a partially written last line."""
+        """Read back the ids written so far; then (an OUTPUT that is refused is left as it
+        was) cut off a partially written last line."""
         data = self.path.read_bytes()
         complete = data.rfind(b"\n") + 1
-        if complete < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(complete)
         for number, line in enumerate(data[:complete].decode("utf-8", "replace").split("\n"), 1):
             if not line.strip():
                 continue
@@ -148,11 +146,15 @@ class OutputFile:
                 record = json.loads(line)
             except (ValueError, RecursionError):  # not JSON, or JSON no job writes
                 record = None
-            if not isinstance(record, dict) or "id" not in record:
+            record_id = record.get("id") if isinstance(record, dict) else None
+            if isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
                 raise ValueError(f"OUTPUT {self.path} line {number} is not a record of a batch job (a JSON object "
-                                 "with an id); give another OUTPUT, or remove that line")
-            self.done.add(record["id"])
+                                 "with a string or integer id); give another OUTPUT, or remove that line")
+            self.done.add(record_id)
             self.errors += "error" in record
+        if complete < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(complete)
 
     def write(self, record: dict) -> bool:
         """Append one record unless its id is done already; False when it was."""

@@ -51,16 +51,16 @@ def integer(low: int, high: int | None = None):
     return parse
 
 
-def number(low: float, strict: bool = False):
-    """An argparse type: a finite number >= low (> low when strict)."""
-    allowed = f"a finite number {'>' if strict else '>='} {low:g}"
+def number(low: float, strict: bool = False, high: float | None = None):
+    """An argparse type: a finite number >= low (> low when strict), and <= high when given."""
+    allowed = f"a finite number {'>' if strict else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
+        if not math.isfinite(value) or value < low or (strict and value == low) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
         return value
     return parse

@@ -57,8 +57,16 @@ def check_destination(out: Path, force: bool, source: Path | None = None) -> Pat
         what = "a mount point" if os.path.ismount(out) else "the current directory or one that holds it"
         raise ValueError(f"{given} is {what}, which export cannot replace; export to a directory inside it")
     parent = out.absolute().parent
-    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot write in {parent}, where the export of {given} is written first")
+    existing = next(p for p in (parent, *parent.parents) if p.exists())  # the folder made, or the first one above
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is a file, so {given} cannot be made inside it")
+    check = existing / f".speculative-export-check.{uuid.uuid4().hex[:8]}"
+    try:  # os.access says yes to root even where nothing can be made (/proc, read-only mounts)
+        check.mkdir()
+        check.rmdir()
+    except OSError as error:
+        raise PermissionError(f"cannot write in {existing}, where the export of {given} is written first: "
+                              f"{error.strerror or error}") from None
     if out.is_dir():
         for folder, dirs, _ in os.walk(out):
             if not os.access(folder, os.W_OK | os.X_OK):

@@ -86,6 +86,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     device = check_device(device)
     resolve_precision(dtype if dtype != "auto" else "float32", device, int8_runs=True)  # a bad name, before loading
     path = resolve(name_or_path)
+    if not path.is_dir() and not path.is_file():  # a device, pipe or socket
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     config = _checked_directory(path) if path.is_dir() else {}
     weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
     int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))

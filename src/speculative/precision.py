@@ -8,7 +8,7 @@ quantized on their own, float32 for the rest. Its forward reads a quarter of flo
 bytes and half of bfloat16's, and it is width-invariant: a verify forward gives each
 token the bits of a one-token forward, so speculative output is exactly the int8 model's
 own. On CPUs whose cores multiply 8-bit integers natively (VNNI) and have no AMX, `auto`
-picks it for models of SMALL_FOR_16_BITS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
+picks it for models of INT8_MIN_WEIGHTS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
 VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16
 (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
 VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
@@ -61,6 +61,10 @@ def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> 
 # Weights below which `auto` keeps float32 on CPUs: a forward that small is bound by
 # per-operation overhead, not by reading weights, so 16 bits would gain nothing.
 SMALL_FOR_16_BITS = 100_000_000
+# Weights from which `auto` picks int8 where it runs fast: int8 perplexity was within 1.3%
+# of bfloat16's for Qwen2.5-Coder 0.5B (494M) but 6.9% above it for Gemma 3 270M
+# (BENCHMARKS.md, int8-quality), which stays in bfloat16 unless int8 is asked for.
+INT8_MIN_WEIGHTS = 400_000_000
 
 
 def cpu_has_int8(features: frozenset[str] | None = None) -> bool:
@@ -81,7 +85,7 @@ def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = Non
                              "float32 or bfloat16")
         return True, torch.float32, "int8, as asked (int8 weights, each token's activations in int8, float32 else)"
     if (dtype == "auto" and device.type == "cpu" and int8_runs and cpu_has_int8(features)
-            and (weights is None or weights >= SMALL_FOR_16_BITS)):
+            and (weights is None or weights >= INT8_MIN_WEIGHTS)):
         machine = platform.machine() or "this CPU"
         return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers natively "
                                      "(VNNI, no AMX): a forward reads half of bfloat16's bytes, and verifying a "

@@ -1,7 +1,9 @@
 """Prompt files of the command line: plain text, or JSON lines checked whole before any work.
 
 A JSON-lines file holds one object per line: {"prompt": "...", "max_new_tokens": 64,
-"chat": true}, the last two optional; other keys (e.g. "kind") are ignored. Every line is
+"chat": true}, the last two optional; other keys (e.g. "kind") are ignored, except the settings
+that batch records and the server take per prompt (NOT_LINE_SETTINGS): those are refused, as
+the line would be generated without them. Every line is
 checked before anything is generated, and errors name the file and the line. A line must
 be plain JSON (no NaN, no integers of thousands of digits) whose strings are Unicode text:
 JSON's \\u escapes can spell a lone surrogate ("\\ud800"), which no tokenizer and no
@@ -14,6 +16,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# Per-prompt settings of batch records and the server that a prompt line does not take, with
+# what to do instead.
+NOT_LINE_SETTINGS = {
+    "max_tokens": 'write "max_new_tokens"', "max_completion_tokens": 'write "max_new_tokens"',
+    "messages": 'give the text as "prompt" with "chat": true',
+    **{name: f"give --{name.replace('_', '-')} for every line" for name in ("temperature", "top_k", "top_p", "seed")},
+    **{name: "`speculative batch` takes stop strings per record" for name in ("stop", "stop_token_ids")},
+}
 
 
 @dataclass
@@ -120,6 +132,10 @@ def parse_line(line: str, where: str, number: int) -> PromptLine:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: each line must be a JSON object like {{\"prompt\": \"...\"}}, got "
                          f"{type(row).__name__}")
+    for key, instead in NOT_LINE_SETTINGS.items():
+        if key in row:
+            raise ValueError(f"{where}: \"{key}\" is not a setting of a prompt line, which takes \"prompt\", "
+                             f"\"max_new_tokens\" and \"chat\"; {instead}")
     prompt = row.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: \"prompt\" must be a string, got {json.dumps(prompt)}")

@@ -136,7 +136,7 @@ def build_engine(args):
     import torch
 
     from .. import Engine, SpeculativeConfig, load_model, load_tokenizer
-    from ..cli import LOOKUPS, draft_vocab, make_draft, ngram_sizes
+    from ..cli import LOOKUP_K, LOOKUPS, draft_vocab, make_draft, ngram_sizes
     from ..cli_checks import check_draft_options
     from ..inputs import check_device, check_draft_width
     from ..loading import PARTNERS
@@ -148,7 +148,7 @@ def build_engine(args):
     check_draft_options(args, draft_name)
     ngram_sizes(args, draft_name)
     if args.num_draft_tokens is None:
-        args.num_draft_tokens = 10 if draft_name in LOOKUPS else 4
+        args.num_draft_tokens = LOOKUP_K if draft_name in LOOKUPS else 4
     template = None if args.chat_template is None else read_template("--chat-template", args.chat_template)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

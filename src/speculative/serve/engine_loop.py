@@ -214,11 +214,12 @@ class EngineLoop:
                 self.engine.add_request(prompt, job.params, request_id)
                 added.append(request_id)
         except (ValueError, TypeError) as error:
+            message = str(error).removeprefix(f"request {request_id!r}: ")  # an id the client never saw
             for request_id in added:
                 self.engine.abort(request_id)
-            param = "stop_token_ids" if "stop_token_ids" in str(error) else (
+            param = "stop_token_ids" if "stop_token_ids" in message else (
                 "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt")
-            return self._send(job, Event("error", error=APIError(400, str(error), param)))
+            return self._send(job, Event("error", error=APIError(400, message, param)))
         for index, (request_id, prompt) in enumerate(zip(job.request_ids, job.prompts)):
             self.tracked[request_id] = Tracked(job, index, TextStream(self.decode, job.stops), len(prompt))
             self.metrics.prompt_tokens.inc(len(prompt))
