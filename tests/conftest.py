@@ -1,10 +1,7 @@
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import helpers.py
 # Torch threads of each test process: SPECULATIVE_TEST_THREADS, else this machine's (at most 2)
 # shared among pytest-xdist's workers (`make test` runs two); the processes tests start get as many.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

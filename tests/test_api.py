@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, accept_reject, autoregressive_generate
-from helpers import perturbed, sharpen, tiny
+from tests.helpers import perturbed, sharpen, tiny
 
 
 def test_accept_reject_one_dimensional():

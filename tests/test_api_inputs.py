@@ -8,8 +8,8 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
 from speculative import save_model
-from helpers import perturbed, tiny
-from test_batch import cycle_tables
+from tests.helpers import perturbed, tiny
+from tests.test_batch import cycle_tables
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from helpers import TableModel, perturbed, tiny
+from tests.helpers import TableModel, perturbed, tiny
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3], [7],
            [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
@@ -16,7 +16,7 @@ BUDGETS = [20, 12, 25, 16]
 def test_every_row_equals_the_row_alone(kind, draft_kind):
     if kind == "transformers":
         pytest.importorskip("transformers")
-        from test_transformers import llama
+        from tests.test_transformers import llama
         from speculative.models.hf import HFModel
         target, draft = HFModel(llama(1, vocab=64)), HFModel(llama(2, vocab=64, hidden=32, layers=1))
     else:
@@ -128,7 +128,7 @@ def test_the_reference_takes_per_row_budgets_and_finished_rows_leave_its_batch(k
     prompts, budgets = [list(range(40, 60)), [5, 6]], [1, 10]
     if kind == "transformers":
         pytest.importorskip("transformers")
-        from test_transformers import llama, reference
+        from tests.test_transformers import llama, reference
         from speculative.models.hf import HFModel
         target = HFModel(llama(1, vocab=64))
         alone = [reference(target.model, p, n) for p, n in zip(prompts, budgets)]  # transformers' own generate

@@ -15,7 +15,7 @@ from speculative.batch import ModelSpec, request_of, run_local
 from speculative.batch_files import OutputFile
 from speculative.cli import main
 from speculative.loading import ASSETS
-from test_cli_errors import command, environment
+from tests.test_cli_errors import command, environment
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")

@@ -21,8 +21,8 @@ psutil = pytest.importorskip("psutil")
 
 from speculative.batch import ModelSpec, run_local  # noqa: E402
 from speculative.batch_ray import run_ray  # noqa: E402
-from test_batch_job import alone, pair, read_output, records, write_jsonl  # noqa: E402,F401
-from test_cli_errors import command, environment  # noqa: E402
+from tests.test_batch_job import alone, pair, read_output, records, write_jsonl  # noqa: E402,F401
+from tests.test_cli_errors import command, environment  # noqa: E402
 
 RAY = Path(sys.executable).with_name("ray")
 # Real Ray clusters take many seconds to start; test_batch_job.py checks the same records in one process.

@@ -9,7 +9,7 @@ import torch
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
 from speculative.cli import main
 from speculative.bench import identical_words
-from helpers import TableModel, perturbed, tiny
+from tests.helpers import TableModel, perturbed, tiny
 
 pytest.importorskip("matplotlib")
 

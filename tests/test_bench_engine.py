@@ -4,7 +4,7 @@ the target's own greedy tokens, and the timings are consistent."""
 from speculative import SpeculativeConfig, SpeculativeDecoder
 from speculative.bench_engine import Request, batch_one, compare, serve_engine, spread, workload
 from speculative.engine import Engine
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 
 def test_compare_serves_every_request_with_the_reference_tokens():

@@ -19,7 +19,7 @@ import pytest
 from speculative import save_model
 from speculative.cli import main
 from speculative.loading import ASSETS
-from helpers import tiny
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from helpers import perturbed, sharpen, tiny
+from tests.helpers import perturbed, sharpen, tiny
 
 # (prompts, budgets, seeds)
 CALLS = [([3, 1, 4, 1, 5], 30, [11]), ([[9, 2, 6], [5, 3, 5, 8, 9, 7]], [25, 18], [12, 13]),

@@ -6,7 +6,7 @@ import pytest
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, SuffixProposer, autoregressive_generate
 from speculative.adaptive import ESTIMATED_STEPS, Costs
 from speculative.costs import REPROBE_AFTER, CostBook, cost_book, estimate
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 
 def line_costs(v1, intercept, slope, draft=0.001, widths=(2, 5)):

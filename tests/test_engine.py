@@ -6,7 +6,7 @@ import torch
 
 from speculative import (Engine, NGramProposer, SamplingParams, SpeculativeConfig, SpeculativeDecoder,
                          autoregressive_generate)
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 KINDS = ["decoder_only", "s4d", "transformers"]
 DRAFTS = ["model", "ngram", "hybrid", "s4d"]
@@ -16,7 +16,7 @@ def pair(kind, draft_kind):
     """(target, draft, prompt_lookup) for a kind of target and of draft."""
     if kind == "transformers":
         pytest.importorskip("transformers")
-        from test_transformers import llama
+        from tests.test_transformers import llama
         from speculative.models.hf import HFModel
         target, model = HFModel(llama(1, vocab=64)), HFModel(llama(2, vocab=64, hidden=32, layers=1))
     else:
@@ -130,7 +130,7 @@ def test_greedy_and_sampled_requests_share_one_batch_losslessly():
     in every batch, with rows joining at every step: each sampled kind follows its own
     target distribution (G-test, 20,000 draws each), the greedy rows equal plain decoding,
     and the negative control (the two kinds swapped) fails."""
-    from test_lossless import LENGTH, P_MIN, PROMPT, VOCAB, exact_joint, g_test_pvalue
+    from tests.test_lossless import LENGTH, P_MIN, PROMPT, VOCAB, exact_joint, g_test_pvalue
     from types import SimpleNamespace
 
     target = sharpened(tiny("decoder_only", vocab=VOCAB, seed=11))
@@ -166,7 +166,7 @@ def test_greedy_and_sampled_requests_share_one_batch_losslessly():
 
 
 def sharpened(model):
-    from helpers import sharpen
+    from tests.helpers import sharpen
     return sharpen(model, 12.0)
 
 
@@ -278,7 +278,7 @@ def test_bad_engine_arguments():
 
 
 def test_a_model_without_add_rows_serves_one_batch_and_refuses_joins_at_once():
-    from helpers import TableModel
+    from tests.helpers import TableModel
 
     target = TableModel(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
     engine = Engine(target, None, max_batch_size=2)
@@ -310,7 +310,7 @@ def test_a_long_run_keeps_the_transformers_cache_bounded():
     """200 requests through four rows: requests join every step, and the cache's slots stay
     within a bound set by the longest request, not by how long the engine has run."""
     pytest.importorskip("transformers")
-    from test_transformers import llama
+    from tests.test_transformers import llama
     from speculative.models.hf import HFModel
 
     target = HFModel(llama(3, vocab=64, hidden=32, layers=1))

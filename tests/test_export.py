@@ -7,7 +7,7 @@ import torch
 
 from speculative import autoregressive_generate
 from speculative.export import export_llama
-from helpers import tiny
+from tests.helpers import tiny
 
 pytest.importorskip("transformers")
 

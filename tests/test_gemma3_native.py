@@ -16,7 +16,7 @@ from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, a
 from speculative.kernels import Int8Embedding, Int8Linear, int8_available
 from speculative.models.gemma3 import Gemma3LM
 from speculative.models.native import native_config
-from test_int8 import widths_agree
+from tests.test_int8 import widths_agree
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,3 +191,55 @@ def test_the_int8_cache_gives_back_the_same_model(checkpoints, cache, monkeypatc
     ids = torch.tensor([prompt(20, 9)])
     with torch.inference_mode():
         assert torch.equal(first.forward(ids, first.new_state(1, 20)), again.forward(ids, again.new_state(1, 20)))
+
+
+def test_attention_skipping_leading_hidden_blocks_keeps_the_bits():
+    """cached_attention over keys whose first blocks no query sees, with and without them."""
+    from speculative.models.decoder_only import KEY_BLOCK, cached_attention
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, 1, 3 * KEY_BLOCK, 32, generator=gen) for _ in range(2))
+    positions = torch.arange(2 * KEY_BLOCK + 100, 2 * KEY_BLOCK + 111)
+    slots = torch.arange(3 * KEY_BLOCK)
+    mask = (slots <= positions[:, None]) & (slots > positions[:, None] - 300)  # (T, S): a window of 300
+    queries = torch.randn(1, 2, len(positions), 32, generator=gen)
+    whole = cached_attention(queries, keys, values, mask[None])
+    for first in (KEY_BLOCK, 2 * KEY_BLOCK):
+        if first > int(positions.min()) - 300:
+            continue
+        skipped = cached_attention(queries, keys[:, :, first:], values[:, :, first:], mask[None, :, first:])
+        assert torch.equal(skipped, whole)
+    one = cached_attention(queries[:, :, 4:5], keys[:, :, KEY_BLOCK:], values[:, :, KEY_BLOCK:],
+                           mask[None, 4:5, KEY_BLOCK:])
+    assert torch.equal(one, whole[:, :, 4:5])
+
+
+@pytest.fixture
+def small_key_blocks(monkeypatch):
+    """Key blocks of 16 slots, so that a sliding window of 8 leaves whole blocks behind it
+    within the tiny model's context."""
+    import speculative.models.decoder_only as decoder_only
+    import speculative.models.gemma3 as gemma3
+    monkeypatch.setattr(decoder_only, "KEY_BLOCK", 16)
+    monkeypatch.setattr(gemma3, "KEY_BLOCK", 16)
+    read = []
+    attention = decoder_only.cached_attention
+    monkeypatch.setattr(decoder_only, "cached_attention",
+                        lambda q, keys, *rest: read.append(keys.shape[2]) or attention(q, keys, *rest))
+    return read
+
+
+@needs_int8
+def test_sliding_layers_read_only_the_blocks_their_window_reaches(checkpoints, cache, small_key_blocks):
+    model = load_model(checkpoints["target"][0], dtype="int8")
+    assert widths_agree(model, prompt_length=60)  # 60..77: the window leaves 3-4 blocks behind
+    small_key_blocks.clear()
+    with torch.inference_mode():
+        state = model.new_state(1, 128)
+        model.forward(torch.tensor([prompt(70, 3)]), state)
+        model.forward(torch.tensor([[5]]), state)  # slot 70: the window sees slots 63..70
+    layers = len(LAYERS)
+    assert small_key_blocks[-layers:] == [32 if kind == "sliding_attention" else 80 for kind in LAYERS]
+    ids = prompt(40, 9)
+    decoder = SpeculativeDecoder(model, NGramProposer(max_ngram=3), SpeculativeConfig(adaptive=False,
+                                                                                     num_draft_tokens=5))
+    assert decoder.generate(ids * 2, 40) == autoregressive_generate(model, ids * 2, 40)

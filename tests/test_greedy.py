@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 TYPES = ["decoder_only", "s4d"]
 

@@ -32,7 +32,7 @@ from speculative.decoder import GenerationError
 from speculative.inputs import normalize_max_new, normalize_prompts
 from speculative.models.head import build_head
 from speculative.sampling import MIN_TEMPERATURE, NonFiniteLogits, probabilities
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 CHAIN = SpeculativeConfig(adaptive=False, num_draft_tokens=3)
 TREE = SpeculativeConfig(adaptive=False, num_draft_tokens=3, tree_top_k=2, tree_max_tokens=6)

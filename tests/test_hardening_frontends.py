@@ -35,9 +35,9 @@ import torch
 from speculative import save_model
 from speculative.cli import main
 from speculative.loading import ASSETS
-from helpers import tiny
-from serving import TIMEOUT, Server
-from test_cli_errors import command, environment, error_line, refused, refused_in_process, speculative
+from tests.helpers import tiny
+from tests.serving import TIMEOUT, Server
+from tests.test_cli_errors import command, environment, error_line, refused, refused_in_process, speculative
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")
@@ -575,7 +575,7 @@ def test_the_data_and_the_report_stop_at_the_deadline():
 
 
 def test_train_with_a_budget_shorter_than_one_step_trains_at_most_one(tmp_path, capsys):
-    from test_train import TINY
+    from tests.test_train import TINY
 
     assert main(["train", "--out", str(tmp_path / "run"), "--max-minutes", "0.0005", *TINY]) == 0
     report = json.loads((tmp_path / "run" / "report.json").read_text())

@@ -13,8 +13,8 @@ from speculative import Engine, SamplingParams, SpeculativeConfig, SpeculativeDe
 from speculative.models.head import build_head, load_head, save_head
 from speculative.proposers import HeadProposer, HybridProposer
 from speculative.train.head import HeadTraining, head_loss, run_train_head
-from helpers import sharpen, tiny
-from test_lossless import DRAWS, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+from tests.helpers import sharpen, tiny
+from tests.test_lossless import DRAWS, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
 
 # The shipped Gemma head kept 15% of its drafts at K = 4 on held-out ShareGPT first turns
 # (26% on the two prompts of its test); an untrained one keeps none.
@@ -345,7 +345,7 @@ def test_training_a_head_for_a_transformers_target_lowers_its_loss(tmp_path):
     from speculative.train.head import frequent_ids, train_head
 
     pytest.importorskip("transformers")
-    from test_transformers import llama, saved
+    from tests.test_transformers import llama, saved
 
     model = llama(1)
     with torch.no_grad():
@@ -408,7 +408,7 @@ def offline_first_draft(target, head, ids):
 
 def hf_llama(tmp_path):
     pytest.importorskip("transformers")
-    from test_transformers import llama, saved
+    from tests.test_transformers import llama, saved
 
     return saved(llama(1), tmp_path / "llama")
 

@@ -20,8 +20,8 @@ from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, a
                          save_model)
 from speculative.kernels import Int8Embedding, Int8Linear, int8_available
 from speculative.precision import resolve_precision
-from helpers import perturbed, sharpen, tiny
-from test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+from tests.helpers import perturbed, sharpen, tiny
+from tests.test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
 
 pytestmark = pytest.mark.skipif(not int8_available("cpu"), reason="this torch build has no fbgemm")
 

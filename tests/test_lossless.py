@@ -11,7 +11,7 @@ import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.sampling import probabilities
-from helpers import TableModel, sharpen, tiny
+from tests.helpers import TableModel, sharpen, tiny
 
 # Tests marked slow take a minute or more each on 2 cores (`make test-all` runs them); the quick
 # run keeps three cheap ones: an S4D pair's G-test, a draft the target rejects, top-k 1.

@@ -5,7 +5,7 @@ transformers adapter keeps its cache bounded. Each result equals the row run alo
 import pytest
 import torch
 
-from helpers import tiny
+from tests.helpers import tiny
 
 KINDS = ["decoder_only", "s4d", "transformers"]
 
@@ -13,7 +13,7 @@ KINDS = ["decoder_only", "s4d", "transformers"]
 def make(kind, seed=1):
     if kind == "transformers":
         pytest.importorskip("transformers")
-        from test_transformers import llama
+        from tests.test_transformers import llama
         from speculative.models.hf import HFModel
         return HFModel(llama(seed, vocab=64))
     return tiny(kind, seed=seed)

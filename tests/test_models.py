@@ -5,7 +5,7 @@ import torch
 
 from speculative import build_pair, load_model, output_size, save_model
 from speculative.models.s4d import SHORT_CHUNK
-from helpers import tiny
+from tests.helpers import tiny
 
 TYPES = ["decoder_only", "s4d"]
 

@@ -3,8 +3,8 @@
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from helpers import TableModel, tiny
-from test_greedy import CountingModel
+from tests.helpers import TableModel, tiny
+from tests.test_greedy import CountingModel
 
 
 def propose(proposer, seq, k=10):

@@ -11,7 +11,7 @@ from speculative import SpeculativeConfig
 from speculative.adaptive import AdaptivePolicy, Costs
 from speculative.engine import Engine
 from speculative.rows import SamplingParams
-from helpers import TableModel
+from tests.helpers import TableModel
 
 VOCAB = 32
 

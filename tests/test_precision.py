@@ -18,7 +18,7 @@ from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, a
 from speculative.kernels import PackedLinear, pack_linears, packing_available
 from speculative.models import to_dtype
 from speculative.precision import first_divergence, resolve_dtype, tie_tolerance
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 BF16 = frozenset({"avx512_bf16", "avx512f"})
 PLAIN = frozenset({"avx2", "fma"})
@@ -146,7 +146,7 @@ def test_bfloat16_greedy_is_exact_up_to_near_ties(model_type):
 
 def test_bfloat16_transformers_model_is_exact_up_to_near_ties(tmp_path):
     pytest.importorskip("transformers")
-    from test_transformers import llama, saved
+    from tests.test_transformers import llama, saved
 
     saved(llama(7), tmp_path / "t")
     saved(llama(8), tmp_path / "d")
@@ -188,8 +188,8 @@ def test_tie_tolerance_scales_with_magnitude():
 def test_bfloat16_sampling_is_lossless():
     """A G-test over 20,000 draws of three tokens from bfloat16 models (test_lossless.py has
     the method), and its negative control: draws at another temperature are rejected."""
-    from test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
-    from helpers import sharpen
+    from tests.test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+    from tests.helpers import sharpen
 
     target = to_dtype(sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 4.0), torch.bfloat16)
     draft = to_dtype(sharpen(tiny("decoder_only", vocab=VOCAB, seed=12), 4.0), torch.bfloat16)

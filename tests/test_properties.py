@@ -8,7 +8,7 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.inputs import normalize_prompts
-from helpers import perturbed, tiny
+from tests.helpers import perturbed, tiny
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, settings, strategies as st  # noqa: E402

@@ -23,7 +23,7 @@ from speculative import Engine, SamplingParams, SpeculativeConfig, autoregressiv
 from speculative.loading import ASSETS, load_draft
 from speculative.proposers import as_proposer
 from speculative.serve.text_stream import TextStream
-from serving import KEY, TIMEOUT, Server, chat_text
+from tests.serving import KEY, TIMEOUT, Server, chat_text
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")

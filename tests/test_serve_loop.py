@@ -10,7 +10,7 @@ import time
 from speculative import Engine, SamplingParams, autoregressive_generate
 from speculative.serve.engine_loop import EngineLoop, Job
 from speculative.serve.metrics import Metrics
-from helpers import tiny
+from tests.helpers import tiny
 
 WAIT = 300  # seconds for any one event: a guard against a hang, not a timing
 

@@ -7,7 +7,7 @@ import torch
 
 from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
                          save_model)
-from helpers import tiny
+from tests.helpers import tiny
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -211,7 +211,7 @@ def test_gemma_3_270m_greedy_equals_generate():
 @pytest.mark.slow
 def test_sampling_with_a_transformers_target_is_lossless():
     """The G-test of test_lossless, with a tiny-vocabulary transformers target and draft."""
-    from test_lossless import VOCAB as V, draw, exact_joint, g_test_pvalue
+    from tests.test_lossless import VOCAB as V, draw, exact_joint, g_test_pvalue
     from speculative.models.hf import HFModel
 
     def sharp(model):

@@ -8,9 +8,9 @@ import torch
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, autoregressive_generate
 from speculative.adaptive import AdaptivePolicy, Costs
 from speculative.tree_budget import LOOKUP, MODEL, KeptByBudget, TreeBudget
-from helpers import perturbed, sharpen, tiny
-from test_policy import Clock
-from test_trees import repetitive_prompts
+from tests.helpers import perturbed, sharpen, tiny
+from tests.test_policy import Clock
+from tests.test_trees import repetitive_prompts
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig
     autoregressive_generate
 from speculative.models.base import prefill
 from speculative.tree import Tree, from_branches, tree_inputs
-from helpers import perturbed, sharpen, tiny
+from tests.helpers import perturbed, sharpen, tiny
 
 torch.set_num_threads(1)
 
@@ -200,7 +200,7 @@ def test_chains_stay_the_default():
 
 from speculative.sampling import probabilities  # noqa: E402
 from speculative.verify import tree_rejection_walk  # noqa: E402
-from test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, exact_joint, g_test_pvalue  # noqa: E402
+from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, exact_joint, g_test_pvalue  # noqa: E402
 
 V = 6
 

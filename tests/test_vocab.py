@@ -7,7 +7,7 @@ from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_ge
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.sampling import Sampler
 from speculative.vocab import corpus_vocab, frequent_tokens
-from helpers import TableModel, perturbed, sharpen, tiny
+from tests.helpers import TableModel, perturbed, sharpen, tiny
 
 
 class CharTokenizer:
@@ -87,7 +87,7 @@ def test_sampling_with_a_reduced_vocabulary_is_lossless():
     """G-test (20,000 draws, see test_lossless.py): q is zero outside the subset, and the
     target's residual gives those tokens all their probability. Negative control: a target
     that itself loses the tokens outside the subset is rejected by the same test."""
-    from test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
+    from tests.test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
 
     target = sharpen(tiny("decoder_only", vocab=VOCAB, seed=11), 6.0)
     draft = sharpen(tiny("decoder_only", vocab=VOCAB, seed=12), 6.0)
