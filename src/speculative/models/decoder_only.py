@@ -176,11 +176,11 @@ class Attention(nn.Module):
         return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
     def forward(self, x, cos, sin, cache=None):
-        """cache = (write, cache_k, cache_v, keys, mask) during generation; None scores a whole
+        """cache = (write, cache_k, cache_v, slots, mask) during generation; None scores a whole
         sequence with plain causal attention (training).
 
-        With a cache, the queries attend over the first `keys` slots (whole KEY_BLOCKs), as
-        `mask` (B, T, keys) allows: in float32 by `cached_attention`, which gives every
+        With a cache, the queries attend over the slots of the slice `slots` (whole
+        KEY_BLOCKs), as `mask` (B, T, those slots) allows: in float32 by `cached_attention`, which gives every
         token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel."""
         batch, width, _ = x.shape
         q, k, v = self.project(x, cos, sin)
@@ -188,13 +188,13 @@ class Attention(nn.Module):
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
         else:
-            write, cache_k, cache_v, keys, mask = cache
+            write, cache_k, cache_v, slots, mask = cache
             write(cache_k, k)
             write(cache_v, v)
             if q.dtype == torch.float32:
-                out = cached_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys], mask, self.scale)
+                out = cached_attention(q, cache_k[:, :, slots], cache_v[:, :, slots], mask, self.scale)
             else:
-                out = F.scaled_dot_product_attention(q, cache_k[:, :, :keys], cache_v[:, :, :keys],
+                out = F.scaled_dot_product_attention(q, cache_k[:, :, slots], cache_v[:, :, slots],
                                                      attn_mask=mask[:, None], enable_gqa=gqa,
                                                      scale=self.scale)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
@@ -216,7 +216,7 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     reductions (over D, then over S) run the same whatever the other rows of the call
     (at least MIN_ROWS of them), and slots it cannot see add exact zeros, so a verify
     forward gives each token what a forward of that token alone gives, provided S is the
-    same or differs by whole key blocks (tests/test_int8.py). PyTorch's fused kernel
+    same or differs by whole key blocks at either end (tests/test_int8.py). PyTorch's fused kernel
     splits its work by the number of queries, so its rounding depends on the width.
     `scale` multiplies the queries (default 1/sqrt(D))."""
     batch, heads, width, dim = q.shape
@@ -233,9 +233,20 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         scores = grouped @ keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S)
         hidden = ~mask[:, None, None, start:start + rows]  # (B, 1, 1, t, S)
         scores[:, :, :group * rows].view(batch, kv_heads, group, rows, slots).masked_fill_(hidden, float("-inf"))
-        mixed = torch.softmax(scores, -1) @ values  # (B, H_kv, g*t + padding, D)
+        mixed = blockwise_product(torch.softmax(scores, -1), values)  # (B, H_kv, g*t + padding, D)
         out[:, :, start:start + rows] = mixed[:, :, :group * rows].reshape(batch, heads, rows, dim)
     return out
+
+
+def blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """weights (..., R, S) @ values (..., S, D), summed one KEY_BLOCK of slots at a time in
+    order. A BLAS product's rounding depends on where its reduction starts; summed by
+    blocks, leading blocks of zero weight add exact zeros, so a caller may drop them (a
+    sliding window's span) and a token keeps the bits it gets over the whole cache."""
+    mixed = weights[..., :KEY_BLOCK] @ values[..., :KEY_BLOCK, :]
+    for start in range(KEY_BLOCK, weights.shape[-1], KEY_BLOCK):
+        mixed += weights[..., start:start + KEY_BLOCK] @ values[..., start:start + KEY_BLOCK, :]
+    return mixed
 
 
 class MLP(nn.Module):
@@ -463,7 +474,7 @@ class DecoderOnlyLM(nn.Module):
             return x
         write, span, mask = attend
         for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
-            x = layer(x, cos, sin, (write, cache_k, cache_v, span, mask))
+            x = layer(x, cos, sin, (write, cache_k, cache_v, slice(0, span), mask))
         return x
 
     @torch.inference_mode()

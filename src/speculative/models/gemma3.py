@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder_only import MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM, KVState, rope_table, rotate
+from .decoder_only import KEY_BLOCK, MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM, KVState, rope_table, rotate
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' default layer pattern: five sliding layers, then a full one.
@@ -176,21 +176,28 @@ class Gemma3LM(DecoderOnlyLM):
         """The blocks, each kind with its rotary base and mask: a sliding layer's query at
         position p sees only the keys in slots > p - sliding_window. A slot is its key's
         position for chains, so that is exact; in a token tree an ancestor's slot is at least
-        its position, which is exact while the tree is shallower than the window."""
+        its position, which is exact while the tree is shallower than the window.
+
+        A sliding layer reads only the key blocks its queries can see, from the block of the
+        earliest slot any of them sees: cached_attention gives a token the same bits however
+        many leading blocks it skips, so this costs no exactness."""
         if attend is None:
             raise ValueError("Gemma 3 runs its blocks through a cache (run_blocks makes one)")
         write, span, mask = attend
-        slots = torch.arange(span, device=x.device)
         kinds = {}
         for kind in set(self.cfg.layer_types):
             if kind == SLIDING:
-                window = slots[None, None, :] > positions[:, :, None] - self.cfg.sliding_window  # (B, T, span)
-                kinds[kind] = self._rope(positions, needed, self.cfg.sliding_rope_theta), mask & window
+                earliest = int(positions.min()) - self.cfg.sliding_window + 1
+                first = min(max(earliest, 0) // KEY_BLOCK * KEY_BLOCK, span - KEY_BLOCK)
+                slots = torch.arange(first, span, device=x.device)
+                window = slots[None, None, :] > positions[:, :, None] - self.cfg.sliding_window  # (B, T, span - first)
+                seen = slice(first, span), mask[..., first:] & window
+                kinds[kind] = self._rope(positions, needed, self.cfg.sliding_rope_theta), seen
             else:
-                kinds[kind] = self._rope(positions, needed), mask
+                kinds[kind] = self._rope(positions, needed), (slice(0, span), mask)
         for layer, kind, cache_k, cache_v in zip(self.layers, self.cfg.layer_types, *state.in_use()):
-            (cos, sin), seen = kinds[kind]
-            x = layer(x, cos, sin, (write, cache_k, cache_v, span, seen))
+            (cos, sin), (slots, seen) = kinds[kind]
+            x = layer(x, cos, sin, (write, cache_k, cache_v, slots, seen))
         return x
 
     def _rope_table(self, theta: float, needed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
