@@ -268,3 +268,29 @@ def test_long_forwards_attend_by_blocks_and_match_plain_sdpa(monkeypatch):
     ids = prompt(60, 3)
     decoder = SpeculativeDecoder(blocks, NGramProposer(), SpeculativeConfig(adaptive=False, num_draft_tokens=4))
     assert decoder.generate(ids, 20) == reference(plain, ids, 20)
+
+
+def test_short_forwards_read_only_the_sliding_window(monkeypatch):
+    """A verify-sized forward in bfloat16: the sliding layer's SDPA reads only the slots its
+    window opens, the full layer all of them."""
+    import speculative.models.hf as hf
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    model = hf.HFModel(Gemma3ForCausalLM(config).to(torch.bfloat16).eval())
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(query, key, *args, **kwargs):
+        widths.append(key.shape[2])
+        return sdpa(query, key, *args, **kwargs)
+
+    with torch.inference_mode():
+        state = model.new_state(1)
+        model.forward(torch.tensor([prompt(70, 1)]), state)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        model.forward(torch.tensor([prompt(3, 2)]), state)
+    assert widths == [6 + 2, 73]  # queries at 70..72 see 65..72 through the window; all 73 slots

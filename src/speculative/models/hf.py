@@ -33,24 +33,26 @@ QUERY_BLOCK = 128
 
 def block_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, run for each block of QUERY_BLOCK queries over the span
-    of key slots that the block's mask leaves open (from the first open slot to the last).
-    Exact: a slot outside the span gets no weight from any query of the block. Forwards of
-    at most one block (every decoding step) and masks other than additive ones go whole.
-    In float32 (an int8 model's activations), forwards of at most one block go through
-    `width_invariant_attention` instead."""
+    of key slots that the block's mask leaves open (from the first open slot to the last):
+    a sliding-window layer reads only its window, in every forward. Exact: a slot outside
+    the span gets no weight from any query of the block. Masks other than additive ones go
+    whole. In float32 (an int8 model's activations), forwards of at most one block go
+    through `width_invariant_attention`, from the first open KEY_BLOCK."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    additive = attention_mask is not None and attention_mask.is_floating_point()
-    if additive and query.dtype == torch.float32 and query.shape[2] <= QUERY_BLOCK and not kwargs.get("softcap"):
-        return width_invariant_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
-    if not additive or query.shape[2] <= QUERY_BLOCK:
+    if attention_mask is None or not attention_mask.is_floating_point():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    invariant = query.dtype == torch.float32 and query.shape[2] <= QUERY_BLOCK and not kwargs.get("softcap")
     blocked = torch.finfo(attention_mask.dtype).min
     outputs = []
     for start in range(0, query.shape[2], QUERY_BLOCK):
         mask = attention_mask[:, :, start:start + QUERY_BLOCK]
         open_slots = (mask != blocked).flatten(0, 2).any(0).nonzero()
         first, last = (int(open_slots[0]), int(open_slots[-1]) + 1) if len(open_slots) else (0, mask.shape[-1])
+        if invariant:
+            first = first // KEY_BLOCK * KEY_BLOCK
+            return width_invariant_attention(query, key[:, :, first:], value[:, :, first:], mask[..., first:],
+                                             kwargs.get("scaling")), None
         output, _ = sdpa_attention_forward(module, query[:, :, start:start + QUERY_BLOCK], key[:, :, first:last],
                                            value[:, :, first:last], mask[..., first:last], **kwargs)
         outputs.append(output)  # (B, block, heads, D)
