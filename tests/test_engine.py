@@ -100,15 +100,15 @@ def test_the_adaptive_engine_probes_costs_once_per_pair_of_models(monkeypatch):
     """Batch sizes change every few steps; costs are measured once, at the first step, and a
     second engine on the same models measures nothing (the book's second, warm probe put off)."""
     import speculative.costs
-    import speculative.engine as engine_module
+    import speculative.phases as phases_module
 
     monkeypatch.setattr(speculative.costs, "REPROBE_AFTER", 10 ** 9)
 
     target = tiny("decoder_only", seed=7)
     draft = perturbed(target, 0.05, seed=8)
     probes = []
-    real = engine_module.measure
-    monkeypatch.setattr(engine_module, "measure", lambda *args: probes.append(len(args[2])) or real(*args))
+    real = phases_module.measure
+    monkeypatch.setattr(phases_module, "measure", lambda *args: probes.append(len(args[2])) or real(*args))
     config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
     prompts = [prompt(4 + i, 20 + i) * 2 for i in range(8)]
     for _ in range(2):

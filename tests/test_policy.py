@@ -184,7 +184,7 @@ def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept
     draws, drafted = random.Random(0), []
     for step in range(300):
         policy.prepare(1, lambda: pytest.fail("a probe ran"), fresh=step == 0)
-        width = policy.plan(1, [24], [True], [24], has_model=False).width
+        width = policy.plan(1, [24], [True], [24], has_model=False).k
         accepted = next((j for j in range(width) if draws.random() >= kept), width)
         proposal = Proposal(torch.zeros(1, width, dtype=torch.long), [width], free=[True])
         policy.observe_step(1, proposal, [0], [accepted], 0.1 + per_token * (width + 1), 0, 0.0, [True])

@@ -31,11 +31,11 @@ def close(values, expected, tolerance=0.1):
 def test_a_verified_tree_tells_what_each_smaller_budget_would_have_kept():
     kept = KeptByBudget(max_nodes=8, max_depth=4)
     for _ in range(200):
-        kept.observe([0, 2, 5], budget=8)
+        kept.observe([0, 2, 5], node_budget=8)
     assert close(kept.expected(), [0, 1, 1, 2, 2, 2, 3, 3, 3])
     fresh = KeptByBudget(max_nodes=8, max_depth=8)
     for _ in range(200):
-        fresh.observe([0, 2, 5], budget=3)  # larger budgets never seen: they keep the prior
+        fresh.observe([0, 2, 5], node_budget=3)  # larger budgets never seen: they keep the prior
     assert close(fresh.expected()[:4], [0, 1, 1, 2])
     assert fresh.expected()[8] > 2.1  # the prior of 8 nodes: sum of 0.7 ** i, i = 1..8
 
@@ -44,7 +44,7 @@ def bushy_budget() -> TreeBudget:
     """Trees whose accepted path runs through late nodes: 3, 9, 14 (only a wide tree pays)."""
     budget = TreeBudget(max_nodes=16, max_depth=4)
     for _ in range(200):
-        budget.observe([LOOKUP], [[3, 9, 14]], budget=16, draft_forwards=0, draft_seconds=0.0)
+        budget.observe([LOOKUP], [[3, 9, 14]], node_budget=16, draft_forwards=0, draft_seconds=0.0)
     return budget
 
 
@@ -53,7 +53,7 @@ def test_the_budget_follows_the_cost_of_verify_width():
     assert bushy_budget().plan(costs(1.0, 1.0), [LOOKUP], [16], [4]) == 0  # each node costs a forward: none
     chain = TreeBudget(max_nodes=16, max_depth=4)
     for _ in range(200):
-        chain.observe([LOOKUP], [[0, 1, 2, 3]], budget=16, draft_forwards=0, draft_seconds=0.0)
+        chain.observe([LOOKUP], [[0, 1, 2, 3]], node_budget=16, draft_forwards=0, draft_seconds=0.0)
     assert chain.plan(costs(1.0, 0.05), [LOOKUP], [16], [4]) == 4  # nodes past the path only cost
     assert chain.plan(costs(1.0, 0.05), [LOOKUP], [2], [4]) == 2  # a small lookup tree: no wider
     assert chain.plan(costs(1.0, 0.05), [None], [0], [0]) == 0  # no row can draft
@@ -62,7 +62,7 @@ def test_the_budget_follows_the_cost_of_verify_width():
 def test_draft_forwards_per_depth_count_against_a_model_tree():
     budget = TreeBudget(max_nodes=16, max_depth=8)
     for _ in range(200):
-        budget.observe([MODEL], [[0, 4, 9]], budget=16, draft_forwards=8, draft_seconds=8 * 0.01)
+        budget.observe([MODEL], [[0, 4, 9]], node_budget=16, draft_forwards=8, draft_seconds=8 * 0.01)
     assert budget.plan(costs(1.0, 0.0), [MODEL], [0], [8]) == 10
     budget.draft = 1.0  # a forward per depth as dear as the target's: the third token does not pay
     assert budget.plan(costs(1.0, 0.0), [MODEL], [0], [8]) == 0
@@ -79,21 +79,21 @@ def test_a_tree_kept_whole_doubles_the_next_budget():
     larger budgets (the budget may have cut it): the next step drafts twice the nodes, once."""
     budget = TreeBudget(max_nodes=16, max_depth=8)
     for _ in range(200):  # paths of 2 nodes: with dear width, a budget of 2 pays best
-        budget.observe([LOOKUP], [[0, 1]], budget=2, draft_forwards=0, draft_seconds=0.0)
+        budget.observe([LOOKUP], [[0, 1]], node_budget=2, draft_forwards=0, draft_seconds=0.0)
     dear = costs(1.0, 0.2)
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2
-    budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], caps=[8])  # kept whole, 2 of 8 deep
+    budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], max_drafts=[8])  # kept whole, 2 of 8 deep
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 4
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2  # once
-    budget.observe([LOOKUP], [[0]], 2, 0, 0.0, depths=[2], caps=[8])  # rejected at depth 2
-    budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], caps=[2])  # kept whole at its cap
+    budget.observe([LOOKUP], [[0]], 2, 0, 0.0, depths=[2], max_drafts=[8])  # rejected at depth 2
+    budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], max_drafts=[2])  # kept whole at its cap
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2
-    budget.observe([MODEL], [[0, 1]], 2, 2, 0.0, depths=[2], caps=[8])  # a draft model's: its plan decides
+    budget.observe([MODEL], [[0, 1]], 2, 2, 0.0, depths=[2], max_drafts=[8])  # a draft model's: its plan decides
     assert budget.plan(dear, [LOOKUP], [16], [8]) == 2
     for _ in range(3):
-        budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], caps=[8])
+        budget.observe([LOOKUP], [[0, 1]], 2, 0, 0.0, depths=[2], max_drafts=[8])
         assert budget.plan(dear, [LOOKUP], [16], [8]) == 4
-    budget.observe([LOOKUP], [[0, 1, 2, 3, 4, 5, 6, 7, 8]], 12, 0, 0.0, depths=[9], caps=[12])
+    budget.observe([LOOKUP], [[0, 1, 2, 3, 4, 5, 6, 7, 8]], 12, 0, 0.0, depths=[9], max_drafts=[12])
     assert budget.plan(dear, [LOOKUP], [16], [12]) == 16  # doubling stops at the full budget
 
 

@@ -112,16 +112,16 @@ def off_first_branch(tree, path):
 @pytest.fixture
 def kept_paths(monkeypatch):
     """Every (tree, accepted path) the engine verifies."""
-    import speculative.engine as engine_module
+    import speculative.phases as phases_module
 
-    seen, verify = [], engine_module.tree_verify_rows
+    seen, verify = [], phases_module.tree_verify_rows
 
     def recording(trees, *args):
         paths, extra = verify(trees, *args)
         seen.extend(zip(trees, paths))
         return paths, extra
 
-    monkeypatch.setattr(engine_module, "tree_verify_rows", recording)
+    monkeypatch.setattr(phases_module, "tree_verify_rows", recording)
     return seen
 
 
@@ -193,7 +193,7 @@ def test_chains_stay_the_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine = Engine(target, NGramProposer(), SpeculativeConfig())
-    assert not engine.trees and engine.width == 4
+    assert not engine.trees and engine.widest_draft == 4
 
 
 # --- sampling: G-tests ---------------------------------------------------------------------

@@ -23,181 +23,40 @@ workload that changes from easy to hard prompts:
 
 A step is planned for the batch as a whole, because the batch shares one verify forward
 as wide as its longest draft and one draft-model forward per drafted position. Knowing
-each row's lookup match (free to find), the plan picks the width W (most tokens any row
-drafts) and whether the draft model runs, maximising expected tokens over the whole
-batch divided by the step's cost, v(1 + widest draft) + W d. A row expects
-E(n) = 1 + sum_{i=1..n} prod_{j<i} alpha_j tokens from n drafts. W = 0 (a plain target
+each row's lookup match (free to find), the plan picks the step's K (the longest draft
+any row takes) and whether the draft model runs, maximising expected tokens over the whole
+batch divided by the step's cost, v(1 + widest draft) + K d. A row expects
+E(n) = 1 + sum_{i=1..n} prod_{j<i} alpha_j tokens from n drafts. K = 0 (a plain target
 step) wins when speculation cannot pay, as happens on CPUs once the batch is large
 enough that a wider forward costs as much as the tokens it saves; a probe step is then
 still tried every `probe_every` steps so that the estimates can recover. Within a step a
 model row stops drafting at a token under the confidence floor: just above the most
 confident bin whose tokens were kept less often than s / v1. The draft forward that made
 the token is spent by the time its confidence is seen, so leaving it out saves only its
-verify width; how far drafting should go is the plan's width. Bins start optimistic, so
+verify width; how far drafting should go is the plan's K. Bins start optimistic, so
 the floor rises on evidence only; every `probe_every` model steps one drafts without it,
 to keep learning the bins under it.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+from .estimates import ESTIMATED_STEPS, Acceptance, Costs
 from .tree_budget import TreeBudget
 
+__all__ = ["AdaptivePolicy", "FixedPolicy", "Plan", "Costs", "Acceptance", "ESTIMATED_STEPS", "BINS"]
+
 BINS = 10
-# Observed steps after which an estimated cost (from other batch sizes) counts as measured.
-ESTIMATED_STEPS = 4
-
-
-@dataclass
-class Costs:
-    """Seconds of target forwards by width, and of one draft-model forward, at one batch size."""
-
-    # Width 1 (a plain step).
-    v1: float
-    # Seconds per draft-model forward over the batch (one drafted position for every row).
-    draft: float
-    # Decayed sums (weight, x, y, xx, xy) of a least-squares line through (width, seconds), width >= 2.
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    # Observed steps left before an estimate made from other batch sizes counts as measured:
-    # until then timings are taken as they come, and it is not used to estimate others.
-    estimated: int = 0
-    # Steps observed at this batch size.
-    steps: int = 0
-    # Decayed weight of the one-token timings in v1: 20 moves it 5% per timing; 0 = none
-    # yet, v1 a guess (what the cheapest wider forward cost) that the first one replaces.
-    v1_weight: float = 20.0
-
-    @classmethod
-    def unmeasured(cls) -> "Costs":
-        """Costs before any timing (drafts without a model, which are never probed): every
-        width costs one unit, so drafting is tried, until the steps' own timings come in
-        (taken as they come for the first ESTIMATED_STEPS, as an estimate's are)."""
-        return cls(v1=1.0, draft=0.0, v1_weight=0.0, estimated=ESTIMATED_STEPS)
-
-    def renew(self, other: "Costs") -> None:
-        """Take another's figures in place (every policy holding this object sees them)."""
-        self.v1, self.draft, self.sums, self.estimated = other.v1, other.draft, list(other.sums), other.estimated
-        self.v1_weight = other.v1_weight
-
-    def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
-        """One timing; `robust` caps it at twice the current estimate, so that one stall
-        (another process, a page fault) cannot switch speculation off for long."""
-        if robust and not self.estimated and (self.sums[0] > 0 or width == 1):
-            seconds = min(seconds, 2 * self.verify(width))
-        if width == 1:
-            self.v1_weight = decay * self.v1_weight + weight
-            self.v1 += (seconds - self.v1) * weight / self.v1_weight
-            return
-        if not self.v1_weight:  # no one-token forward timed yet: one costs at most this one
-            self.v1 = min(self.v1, seconds) if self.sums[0] > 0 else seconds
-        point = (1.0, width, seconds, width * width, width * seconds)
-        self.sums = [decay * s + weight * p for s, p in zip(self.sums, point)]
-
-    def widths_vary(self) -> bool:
-        """Whether the widths (>= 2) timed lately differ enough to give the line a slope
-        (weighted variance of at least 0.1: old widths fade with the timings' decay)."""
-        n, x, _, xx, _ = self.sums
-        return n > 0 and (n * xx - x * x) / (n * n) >= 0.1
-
-    def line(self) -> tuple[float, float]:
-        """(intercept, slope) of the fit for widths >= 2; slope never negative; flat at v1
-        before any such width is timed."""
-        n, x, y, xx, xy = self.sums
-        if n <= 0:
-            return self.v1, 0.0
-        spread = n * xx - x * x
-        slope = max(0.0, (n * xy - x * y) / spread) if spread > 1e-12 else 0.0
-        return (y - slope * x) / n, slope
-
-    @property
-    def slope(self) -> float:
-        """Seconds per extra token of width."""
-        return self.line()[1]
-
-    def verify(self, width: int) -> float:
-        if width == 1:
-            return self.v1
-        intercept, slope = self.line()
-        return max(self.v1, intercept + slope * width)
-
-
-@dataclass
-class Acceptance:
-    """Decayed counts of drafted positions reached and kept, one source of drafts."""
-
-    max_k: int
-    # Prior acceptance per position before anything is observed (optimistic, so drafting is tried).
-    prior: float = 0.7
-    # Pseudo-observations the prior is worth.
-    prior_weight: float = 2.0
-    # Forgetting factor per observation (0.97: roughly the last 30 observations count).
-    decay: float = 0.97
-    accepted: list[float] = field(default_factory=list)
-    reached: list[float] = field(default_factory=list)
-    # Rows allowed position j that had drafted every position before it, and of those the
-    # ones that drafted j too (a draft model stops early at a token of low confidence).
-    asked: list[float] = field(default_factory=list)
-    continued: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for name in ("accepted", "reached", "asked", "continued"):
-            setattr(self, name, getattr(self, name) or [0.0] * self.max_k)
-
-    def alphas(self) -> list[float]:
-        """Acceptance per position. The prior of a position is `prior` or the estimate of
-        the one before it, whichever is higher (a draft right so far tends to stay right):
-        positions seldom reached, because the plan kept drafts short, are not held down."""
-        values, previous = [], self.prior
-        for accepted, reached in zip(self.accepted, self.reached):
-            prior = max(self.prior, previous)
-            previous = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
-            values.append(previous)
-        return values
-
-    def drafting(self) -> list[float]:
-        """Per position j, the chance that a row allowed j drafts it, given it drafted
-        every position before (1 until a stop is seen)."""
-        m = self.prior_weight
-        return [(c + m) / (a + m) for c, a in zip(self.continued, self.asked)]
-
-    def expected(self) -> list[float]:
-        """E(n) for n = 0..max_k: tokens a row allowed n drafts gets (the target adds one)."""
-        totals, alive = [1.0], 1.0
-        for alpha, drafts in zip(self.alphas(), self.drafting()):
-            alive *= alpha * drafts
-            totals.append(totals[-1] + alive)
-        return totals
-
-    def forwards(self, width: int, rows: int) -> float:
-        """Expected draft-model forwards for `rows` rows allowed `width` drafts: the model
-        runs position i while any row still drafts."""
-        total, still = 0.0, 1.0
-        for i, drafts in enumerate(self.drafting()[:width]):
-            if i:
-                total += 1 - (1 - still) ** rows
-            still *= drafts
-        return 1.0 + total if width else 0.0
-
-    def observe_stops(self, limits: list[int], lengths: list[int]) -> None:
-        for limit, length in zip(limits, lengths):
-            for j in range(min(limit, length + 1)):
-                self.asked[j] = self.decay * self.asked[j] + 1
-                self.continued[j] = self.decay * self.continued[j] + (j < length)
-
-    def observe(self, lengths: list[int], accepted: list[int]) -> None:
-        for length, kept in zip(lengths, accepted):
-            for j in range(min(length, kept + 1)):  # positions that were reached
-                self.reached[j] = self.decay * self.reached[j] + 1
-                self.accepted[j] = self.decay * self.accepted[j] + (j < kept)
 
 
 @dataclass
 class Plan:
-    """What one step drafts: every row at most `width` tokens; the draft model runs for
-    the rows without a lookup match only if `use_model`."""
+    """What one step drafts: every row at most `k` tokens (the step's K); the draft model
+    runs for the rows without a lookup match only if `use_model`."""
 
-    width: int
+    k: int
     use_model: bool
     # Draft confidence below which a model row stops drafting (0 = never stop; None = the
     # draft need not report confidences, nobody learns from them).
@@ -205,6 +64,12 @@ class Plan:
     # Per row, whether it takes its lookup draft when the model runs (None: the rows whose
     # match is `preferred`). A strong draft model beats a short lookup match.
     lookup_rows: list[bool] | None = None
+
+    @property
+    def width(self) -> int:
+        """The old name of `k`."""
+        warnings.warn("Plan.width is now Plan.k (the step's K)", DeprecationWarning, stacklevel=2)
+        return self.k
 
     def takes_lookup(self, row: int, has_lookup: bool, preferred: bool) -> bool:
         """Whether row `row` drafts by lookup this step."""
@@ -265,60 +130,41 @@ class AdaptivePolicy:
         self.lookup = self.lookup or Acceptance(self.max_k)
         self.weak_lookup = self.weak_lookup or Acceptance(self.max_k)
 
-    def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int], caps: list[int]) -> int:
+    def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int],
+                  max_drafts: list[int]) -> int:
         """The node budget of a tree step (`TreeBudget.plan`; 0 where v1 must be timed)."""
-        budget = self.tree.plan(self.costs[batch], sources, lookup_sizes, caps)
-        return 0 if self._time_one_token(self.costs[batch], budget > 0) else budget
+        node_budget = self.tree.plan(self.costs[batch], sources, lookup_sizes, max_drafts)
+        return 0 if self._time_one_token(self.costs[batch], node_budget > 0) else node_budget
 
     def observe_tree(self, batch: int, sources: list[str | None], paths: list[list[int]], depths: list[int],
-                     caps: list[int], budget: int, width: int, verify_seconds: float, draft_forwards: int,
-                     draft_seconds: float) -> None:
-        """A tree step: each row's accepted path, its tree's depth and depth cap (`TreeBudget.observe`)."""
-        self.tree.observe(sources, paths, budget, draft_forwards, draft_seconds, depths, caps)
-        self.observe_costs(batch, width, verify_seconds, 0, 0.0)
+                     max_drafts: list[int], node_budget: int, verify_width: int, verify_seconds: float,
+                     draft_forwards: int, draft_seconds: float) -> None:
+        """A tree step: each row's accepted path, its tree's depth and deepest allowed (`TreeBudget.observe`)."""
+        self.tree.observe(sources, paths, node_budget, draft_forwards, draft_seconds, depths, max_drafts)
+        self.observe_costs(batch, verify_width, verify_seconds, 0, 0.0)
 
-    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],
+    @property
+    def plans_trees(self) -> bool:
+        """Whether it plans node budgets (made for a configuration with trees)."""
+        return self.tree is not None
+
+    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], max_drafts: list[int],
              has_model: bool) -> Plan:
         """The next step of a batch of this many rows (needs costs for it). Row b has a
         lookup draft of lookup_lengths[b] tokens (`preferred` to the draft model's when its
-        match is long enough) and may draft at most caps[b] tokens."""
+        match is long enough) and may draft at most max_drafts[b] tokens."""
         costs = self.costs[batch]
-        model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
-        best, best_rate, best_widest = Plan(0, False), batch / costs.verify(1), 0
-        e_model, e_strong, e_weak = self.model.expected(), self.lookup.expected(), self.weak_lookup.expected()
-        for use_model in (False, True) if model_pays else (False,):
-            for width in range(1, self.max_k + 1):
-                tokens, widest, model_width, model_rows, lookup_rows = 0.0, 0, 0, 0, []
-                for length, lookup_first, cap in zip(lookup_lengths, preferred, caps):
-                    by_model, by_lookup = min(width, cap), min(width, length)
-                    e_lookup = e_strong if lookup_first else e_weak
-                    # A preferred lookup match drafts unless the model is expected to do better.
-                    take_lookup = not use_model or lookup_first and e_lookup[by_lookup] >= e_model[by_model]
-                    lookup_rows.append(take_lookup)
-                    if take_lookup:
-                        tokens += e_lookup[by_lookup]
-                        widest = max(widest, by_lookup)
-                    else:
-                        tokens += e_model[by_model]
-                        model_width, model_rows = max(model_width, by_model), model_rows + (by_model > 0)
-                        widest = max(widest, by_model)
-                if widest == 0:
-                    continue
-                drafting = self.model.forwards(model_width, model_rows) * costs.draft
-                rate = tokens / (costs.verify(widest + 1) + drafting)
-                if rate > best_rate:
-                    best, best_rate = Plan(width, use_model and model_width > 0, lookup_rows=lookup_rows), rate
-                    best_widest = widest
+        best, best_widest = self._best_plan(costs, batch, lookup_lengths, preferred, max_drafts, has_model)
         timing = self._timing_step(costs, best, best_widest)
         if timing is not None:
             return timing
-        could_use_model = has_model and any(not p and c > 0 for p, c in zip(preferred, caps))
+        could_use_model = has_model and any(not p and m > 0 for p, m in zip(preferred, max_drafts))
         self.model_idle_steps = self.model_idle_steps + 1 if could_use_model and not best.use_model else 0
-        self.idle_steps = self.idle_steps + 1 if best.width == 0 else 0
+        self.idle_steps = self.idle_steps + 1 if best.k == 0 else 0
         probe_model = could_use_model and self.model_idle_steps >= self.probe_every
         if probe_model or self.idle_steps >= self.probe_every:  # keep learning what is not used
             self.idle_steps = self.model_idle_steps = 0
-            return Plan(max(1, best.width), probe_model or best.use_model)
+            return Plan(max(1, best.k), probe_model or best.use_model)
         if best.use_model:
             self.floor_steps += 1
             # Now and then a model step drafts without the confidence floor, so that the bins
@@ -330,13 +176,55 @@ class AdaptivePolicy:
                 best.min_confidence = self._min_confidence(costs)
         return best
 
+    def _best_plan(self, costs: Costs, batch: int, lookup_lengths: list[int], preferred: list[bool],
+                   max_drafts: list[int], has_model: bool) -> tuple[Plan, int]:
+        """The plan of the highest expected tokens per second (a plain step unless drafting
+        beats it), and the longest draft it takes."""
+        model_pays = has_model and self._break_even(costs) < 1.0  # else no model token could pay
+        best, best_rate, best_widest = Plan(0, False), batch / costs.verify(1), 0
+        expected = self.model.expected(), self.lookup.expected(), self.weak_lookup.expected()
+        for use_model in (False, True) if model_pays else (False,):
+            for k in range(1, self.max_k + 1):
+                tokens, widest, model_k, model_rows, lookup_rows = self._expect(
+                    k, use_model, expected, lookup_lengths, preferred, max_drafts)
+                if widest == 0:
+                    continue
+                drafting = self.model.forwards(model_k, model_rows) * costs.draft
+                rate = tokens / (costs.verify(widest + 1) + drafting)
+                if rate > best_rate:
+                    best, best_rate = Plan(k, use_model and model_k > 0, lookup_rows=lookup_rows), rate
+                    best_widest = widest
+        return best, best_widest
+
+    @staticmethod
+    def _expect(k: int, use_model: bool, expected, lookup_lengths: list[int], preferred: list[bool],
+                max_drafts: list[int]):
+        """Expected tokens of a step of this K over the batch; its longest draft, the draft
+        model's longest draft and how many rows it drafts for; per row, whether it takes lookup."""
+        e_model, e_strong, e_weak = expected
+        tokens, widest, model_k, model_rows, lookup_rows = 0.0, 0, 0, 0, []
+        for length, lookup_first, most in zip(lookup_lengths, preferred, max_drafts):
+            by_model, by_lookup = min(k, most), min(k, length)
+            e_lookup = e_strong if lookup_first else e_weak
+            # A preferred lookup match drafts unless the model is expected to do better.
+            take_lookup = not use_model or lookup_first and e_lookup[by_lookup] >= e_model[by_model]
+            lookup_rows.append(take_lookup)
+            if take_lookup:
+                tokens += e_lookup[by_lookup]
+                widest = max(widest, by_lookup)
+            else:
+                tokens += e_model[by_model]
+                model_k, model_rows = max(model_k, by_model), model_rows + (by_model > 0)
+                widest = max(widest, by_model)
+        return tokens, widest, model_k, model_rows, lookup_rows
+
     def _timing_step(self, costs: Costs, best: Plan, widest: int) -> Plan | None:
         """A step that times what costs learned from steps alone still lack (the module
         docstring): half the widest draft while recent widths never varied, or once a plain
         step."""
         if widest >= 2 and costs.sums[0] > 0 and not costs.widths_vary():
             return Plan(widest // 2, best.use_model, lookup_rows=best.lookup_rows)
-        return Plan(0, False) if self._time_one_token(costs, best.width > 0) else None
+        return Plan(0, False) if self._time_one_token(costs, best.k > 0) else None
 
     def _time_one_token(self, costs: Costs, drafting: bool) -> bool:
         """Whether this step should be plain: drafting has gone on for `probe_every` steps
@@ -380,11 +268,11 @@ class AdaptivePolicy:
                 self.conf_reached[b] = decay * self.conf_reached[b] + 1
                 self.conf_accepted[b] = decay * self.conf_accepted[b] + (j < kept)
 
-    def observe_costs(self, batch: int, width: int, verify_seconds: float, draft_forwards: int,
+    def observe_costs(self, batch: int, verify_width: int, verify_seconds: float, draft_forwards: int,
                       draft_seconds: float, weight: float = 0.1) -> None:
         """Refine the cost model of this batch size from one step's timings."""
         costs = self.costs[batch]
-        costs.add(width, verify_seconds)
+        costs.add(verify_width, verify_seconds)
         costs.estimated = max(0, costs.estimated - 1)
         costs.steps += 1
         if draft_forwards:
@@ -419,7 +307,9 @@ class FixedPolicy:
     k: int
     nodes: int = 0
 
-    def plan_tree(self, batch: int, sources, lookup_sizes, caps) -> int:
+    plans_trees = True
+
+    def plan_tree(self, batch: int, sources, lookup_sizes, max_drafts) -> int:
         return self.nodes
 
     def observe_tree(self, *step) -> None:
@@ -428,7 +318,7 @@ class FixedPolicy:
     def prepare(self, batch: int, measure, fresh: bool = True) -> None:
         pass  # plans without costs
 
-    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], caps: list[int],
+    def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], max_drafts: list[int],
              has_model: bool) -> Plan:
         return Plan(self.k, has_model, min_confidence=None)
 

@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from .adaptive import ESTIMATED_STEPS, Costs
+from .estimates import ESTIMATED_STEPS, Costs
 
 # Books by target model, then by (draft model id, dtype, threads, device).
 _BOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -208,15 +208,16 @@ def tree_inputs(trees: list[Tree], last_tokens: list[int], starts: list[int], de
     return as_tensor(tokens), as_tensor(positions), mask.to(device), [1 + len(t) for t in trees]
 
 
-def can_branch(target, proposer, top_k: int) -> bool:
-    """Whether an engine can draft trees with these; if not, it says so once, here, and
-    drafts chains (recurrent models cannot branch in one forward)."""
+def can_branch(target, proposer, top_k: int, branches: bool) -> bool:
+    """Whether an engine can draft trees with these (`branches`: whether the proposer drafts
+    trees, proposers.base.branches); if not, it says so once, here, and drafts chains
+    (recurrent models cannot branch in one forward)."""
     why = None
-    if not callable(getattr(target, "compact", None)):
+    if not callable(getattr(target, "compact", None)):  # optional in the model protocol
         why = (f"the target {type(target).__name__} cannot verify token trees (recurrent models cannot branch in "
                "one forward)")
-    elif not getattr(proposer, "branches", False):
-        model = getattr(proposer, "model", None)
+    elif not branches:
+        model = proposer.model
         why = (f"the draft {type(proposer).__name__} drafts chains only" if model is None else
                f"the draft model {type(model).__name__} cannot read token trees (recurrent models cannot branch in "
                "one forward)")

@@ -49,9 +49,9 @@ class KeptByBudget:
         self.sums = self.sums or [0.0] * (self.max_nodes + 1)
         self.weights = self.weights or [0.0] * (self.max_nodes + 1)
 
-    def observe(self, path: list[int], budget: int) -> None:
-        """A verified tree of at most `budget` nodes whose accepted path is `path` (node indices)."""
-        for n in range(budget + 1):
+    def observe(self, path: list[int], node_budget: int) -> None:
+        """A verified tree of at most `node_budget` nodes whose accepted path is `path` (node indices)."""
+        for n in range(node_budget + 1):
             self.sums[n] = DECAY * self.sums[n] + sum(node < n for node in path)
             self.weights[n] = DECAY * self.weights[n] + 1
 
@@ -86,12 +86,12 @@ class TreeBudget:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         self.kept = self.kept or {source: KeptByBudget(self.max_nodes, self.max_depth) for source in (MODEL, LOOKUP)}
 
-    def plan(self, costs, sources: list[str | None], lookup_sizes: list[int], caps: list[int]) -> int:
+    def plan(self, costs, sources: list[str | None], lookup_sizes: list[int], max_drafts: list[int]) -> int:
         """The node budget of the next step. Row b drafts from sources[b] (MODEL, LOOKUP,
-        or None: nothing), its lookup tree holding lookup_sizes[b] nodes, at most caps[b] deep."""
+        or None: nothing), its lookup tree holding lookup_sizes[b] nodes, at most max_drafts[b] deep."""
         expected = {source: table.expected() for source, table in self.kept.items()}
         draft = costs.draft if self.draft is None else self.draft
-        depth_cap = max([cap for source, cap in zip(sources, caps) if source == MODEL], default=0)
+        model_depth = max([most for source, most in zip(sources, max_drafts) if source == MODEL], default=0)
         best, best_rate = 0, len(sources) / costs.verify(1)
         plain_rate, rates = best_rate, [best_rate]
         for n in range(1, self.max_nodes + 1):
@@ -103,7 +103,7 @@ class TreeBudget:
                 nodes = min(n, size) if source == LOOKUP else n
                 tokens += 1.0 + expected[source][nodes]
                 widest = max(widest, nodes)
-            drafting = min(n, depth_cap) * draft
+            drafting = min(n, model_depth) * draft
             rate = tokens / (costs.verify(1 + widest) + drafting)
             rates.append(rate)
             if rate > best_rate:
@@ -117,18 +117,18 @@ class TreeBudget:
             return self.max_nodes
         return best
 
-    def observe(self, sources: list[str | None], paths: list[list[int]], budget: int, draft_forwards: int,
-                draft_seconds: float, depths: list[int] | None = None, caps: list[int] | None = None,
+    def observe(self, sources: list[str | None], paths: list[list[int]], node_budget: int, draft_forwards: int,
+                draft_seconds: float, depths: list[int] | None = None, max_drafts: list[int] | None = None,
                 weight: float = 0.1) -> None:
         """Learn from one tree step: what each row's tree kept, and a draft forward's cost.
-        depths[b]: how deep row b's tree went (a path that deep kept it whole), caps[b]: how
-        deep it could have gone (a lookup tree kept whole short of it: the next budget grows)."""
+        depths[b]: how deep row b's tree went (a path that deep kept it whole), max_drafts[b]:
+        how deep it could have gone (a lookup tree kept whole short of it: the next budget grows)."""
         for source, path in zip(sources, paths):
             if source is not None:
-                self.kept[source].observe(path, budget)
-        if depths and any(source == LOOKUP and path and len(path) == depth < cap
-                          for source, path, depth, cap in zip(sources, paths, depths, caps)):
-            self.grow = min(self.max_nodes, 2 * budget)
+                self.kept[source].observe(path, node_budget)
+        if depths and any(source == LOOKUP and path and len(path) == depth < most
+                          for source, path, depth, most in zip(sources, paths, depths, max_drafts)):
+            self.grow = min(self.max_nodes, 2 * node_budget)
         if draft_forwards:
             seconds = draft_seconds / draft_forwards
             if self.draft is not None:  # one stall cannot make drafting look dear for long

@@ -100,12 +100,24 @@ class Proposer(Protocol):
     def probe(self, sequences: list[list[int]]) -> None: ...
 
 
+def reads_features(proposer) -> bool:
+    """Whether the engine hands `proposer` the target's features. Optional in the interface:
+    every proposer of this package declares it; one written elsewhere may leave it out."""
+    return bool(getattr(proposer, "reads_features", False))
+
+
+def branches(proposer) -> bool:
+    """Whether `proposer` drafts trees (optional in the interface, as `reads_features`)."""
+    return bool(getattr(proposer, "branches", False))
+
+
 class NoDraft:
     """No drafting at all: plain decoding through the same engine (the fair baseline)."""
 
     model = None
     vocab_size = None
     reads_features = False
+    branches = False
 
     def fork(self) -> "NoDraft":
         return self

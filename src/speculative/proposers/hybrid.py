@@ -24,7 +24,7 @@ class HybridProposer:
         self.min_match = min_match
         self.model = model_proposer.model
         self.vocab_size = model_proposer.vocab_size
-        self.reads_features = getattr(model_proposer, "reads_features", False)
+        self.reads_features = model_proposer.reads_features
 
     def fork(self) -> "HybridProposer":
         return HybridProposer(self.drafter.fork(), self.ngram.fork(), self.min_match)

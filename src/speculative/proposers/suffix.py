@@ -75,6 +75,7 @@ class SuffixProposer:
     model = None
     vocab_size = None
     branches = True
+    reads_features = False
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = 10,
                  max_tokens: int = 100_000):
