@@ -139,50 +139,62 @@ def expand_tree(root_logits: torch.Tensor, forward, limits: list[int], top_k: in
     top_k = min(top_k, root_logits.shape[-1])
     ids = None if vocab is None else vocab.tolist()
     rows: list[list[Candidate]] = [[] for _ in range(batch)]
-
-    def add_children(logits: torch.Tensor, parents: list[list[int]]) -> list[list[int]]:
-        """Each parent's top_k children as candidates; per row, the indices of the new ones."""
-        scores, tokens = logits.float().log_softmax(-1).topk(top_k, -1)
-        layer = []
-        for b, (row, row_parents) in enumerate(zip(rows, parents)):
-            first = len(row)
-            for parent, p_scores, p_tokens in zip(row_parents, scores[b].tolist(), tokens[b].tolist()):
-                base, depth = (0.0, 1) if parent < 0 else (row[parent].score, row[parent].depth + 1)
-                for score, token in zip(p_scores, p_tokens):
-                    row.append(Candidate(token if ids is None else ids[token], base + score, parent, depth))
-            layer.append(list(range(first, len(row))))
-        return layer
-
-    layer = add_children(root_logits[:, None], [[-1]] * batch)
+    layer = add_children(rows, root_logits[:, None], [[-1]] * batch, top_k, ids)
     read = 0
     for depth in range(1, max(limits)):  # read the best of this depth; their children are the next
         chosen = [sorted(nodes, key=lambda i: -row[i].score)[:top_k] for row, nodes in zip(rows, layer)]
-        mask = torch.zeros(batch, top_k, read + top_k, dtype=torch.bool)
-        parents = []
-        for b, (row, nodes) in enumerate(zip(rows, chosen)):
-            for j, i in enumerate(nodes):
-                ancestor = row[i].parent
-                parents.append(-1 if ancestor < 0 else row[ancestor].fed)
-                while ancestor >= 0:
-                    mask[b, j, row[ancestor].fed] = True
-                    ancestor = row[ancestor].parent
-                mask[b, j, read + j] = True
-                row[i].fed = read + j
+        parents, mask = feed_layer(rows, chosen, read, top_k)
         tokens = torch.tensor([[row[i].token for i in nodes] for row, nodes in zip(rows, chosen)], device=device)
         positions = (torch.tensor(starts, device=device)[:, None] + depth - 1).expand(batch, top_k)  # start + d - 1
         logits = forward(tokens, torch.tensor(parents, device=device).view(batch, top_k), positions,
                          mask.to(device))
         read += top_k
-        layer = add_children(logits, chosen)
-    trees = []
-    for row, limit in zip(rows, limits):
-        ranked = sorted((i for i, c in enumerate(row) if c.depth <= limit),
-                        key=lambda i: (-row[i].score, row[i].depth, i))[:max_nodes]
-        place = {-1: -1}
-        for i in ranked:
-            place[i] = len(place) - 1
-        trees.append(Tree([row[i].token for i in ranked], [place[row[i].parent] for i in ranked]))
-    return trees
+        layer = add_children(rows, logits, chosen, top_k, ids)
+    return [best_tree(row, limit, max_nodes) for row, limit in zip(rows, limits)]
+
+
+def add_children(rows: list[list[Candidate]], logits: torch.Tensor, parents: list[list[int]], top_k: int,
+                 ids: list[int] | None) -> list[list[int]]:
+    """Each parent's top_k children as candidates (logits (B, parents, V)); per row, the
+    indices of the new ones."""
+    scores, tokens = logits.float().log_softmax(-1).topk(top_k, -1)
+    layer = []
+    for b, (row, row_parents) in enumerate(zip(rows, parents)):
+        first = len(row)
+        for parent, p_scores, p_tokens in zip(row_parents, scores[b].tolist(), tokens[b].tolist()):
+            base, depth = (0.0, 1) if parent < 0 else (row[parent].score, row[parent].depth + 1)
+            for score, token in zip(p_scores, p_tokens):
+                row.append(Candidate(token if ids is None else ids[token], base + score, parent, depth))
+        layer.append(list(range(first, len(row))))
+    return layer
+
+
+def feed_layer(rows: list[list[Candidate]], chosen: list[list[int]], read: int, top_k: int):
+    """The chosen candidates as the draft's next input, after the `read` nodes it has read:
+    per candidate where its parent was read (-1: the root), and the tree mask (B, top_k,
+    read + top_k) of its ancestors and itself. Marks where each is read."""
+    mask = torch.zeros(len(rows), top_k, read + top_k, dtype=torch.bool)
+    parents = []
+    for b, (row, nodes) in enumerate(zip(rows, chosen)):
+        for j, i in enumerate(nodes):
+            ancestor = row[i].parent
+            parents.append(-1 if ancestor < 0 else row[ancestor].fed)
+            while ancestor >= 0:
+                mask[b, j, row[ancestor].fed] = True
+                ancestor = row[ancestor].parent
+            mask[b, j, read + j] = True
+            row[i].fed = read + j
+    return parents, mask
+
+
+def best_tree(row: list[Candidate], max_depth: int, max_nodes: int) -> Tree:
+    """A row's max_nodes best candidates no deeper than max_depth, parents before children."""
+    ranked = sorted((i for i, c in enumerate(row) if c.depth <= max_depth),
+                    key=lambda i: (-row[i].score, row[i].depth, i))[:max_nodes]
+    place = {-1: -1}
+    for i in ranked:
+        place[i] = len(place) - 1
+    return Tree([row[i].token for i in ranked], [place[row[i].parent] for i in ranked])
 
 
 def tree_inputs(trees: list[Tree], last_tokens: list[int], starts: list[int], device):

@@ -83,6 +83,55 @@ def phase_loss(model, window, teacher, temperature, autocast):
         * temperature ** 2
 
 
+@dataclass
+class Progress:
+    """Where a phase stands: steps done, steps planned (None until estimated), seconds spent."""
+
+    step: int = 0
+    total: int | None = None
+    spent: float = 0.0
+
+
+class Checkpoint:
+    """A phase's checkpoint file: model, optimizer, data generator and progress."""
+
+    def __init__(self, path: Path, model, optimizer, generator: torch.Generator):
+        self.path, self.model, self.optimizer, self.generator = path, model, optimizer, generator
+
+    def save(self, progress: Progress, done: bool = False, summary: dict | None = None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "generator": self.generator.get_state(), "step": progress.step, "total": progress.total,
+                 "seconds": progress.spent, "done": done}
+        if summary is not None:
+            state["summary"] = summary
+        torch.save(state, str(self.path) + ".tmp")
+        Path(str(self.path) + ".tmp").replace(self.path)
+
+    def resume(self, progress: Progress, name: str) -> dict | None:
+        """Load what was saved into the model, optimizer and generator; the summary of a
+        finished phase (its model loaded), else None."""
+        if not self.path.exists():
+            return None
+        saved = torch.load(self.path, weights_only=True)
+        self.model.load_state_dict(saved["model"])
+        if saved.get("done"):
+            return saved["summary"]
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.generator.set_state(saved["generator"])
+        progress.step, progress.total, progress.spent = saved["step"], saved["total"], saved["seconds"]
+        print(f"[{name}] resuming at step {progress.step}/{progress.total}")
+        return None
+
+
+def make_optimizer(model, cfg: PhaseConfig) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
 def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, teacher=None,
                 resume: bool = False, loss=None) -> dict:
     """Train `model` in place; returns a summary (steps, tokens, seconds, final loss).
@@ -91,81 +140,73 @@ def train_phase(model, data: torch.Tensor, cfg: PhaseConfig, checkpoint: Path, t
     model.train().requires_grad_(True)
     if teacher is not None:
         teacher.eval().requires_grad_(False)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    other = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    optimizer = make_optimizer(model, cfg)
     generator = torch.Generator().manual_seed(cfg.seed)
-    step, total, spent = 0, cfg.steps, 0.0
-    if resume and checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=True)
-        if saved.get("done"):
-            model.load_state_dict(saved["model"])
-            return saved["summary"]
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        generator.set_state(saved["generator"])
-        step, total, spent = saved["step"], saved["total"], saved["seconds"]
-        print(f"[{cfg.name}] resuming at step {step}/{total}")
-    forward = torch.compile(model) if cfg.compile else model
-    teacher_forward = torch.compile(teacher) if cfg.compile and teacher is not None else teacher
+    progress, saving = Progress(total=cfg.steps), Checkpoint(checkpoint, model, optimizer, generator)
+    if resume:
+        finished = saving.resume(progress, cfg.name)
+        if finished is not None:
+            return finished
+    if loss is None:
+        forward = torch.compile(model) if cfg.compile else model
+        teacher_forward = torch.compile(teacher) if cfg.compile and teacher is not None else teacher
+        loss = lambda window, autocast: phase_loss(forward, window, teacher_forward,  # noqa: E731
+                                                   cfg.temperature, autocast)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     stream = batches(data, cfg.batch_size, cfg.seq_len, generator)
+    loss_avg = run_steps(model, optimizer, lambda: loss(next(stream), autocast), cfg, progress, saving)
+    model.eval().requires_grad_(False)
+    summary = {"steps": progress.step, "tokens": progress.step * cfg.batch_size * cfg.seq_len,
+               "seconds": round(progress.spent, 1), "final_loss": None if loss_avg is None else round(loss_avg, 4)}
+    saving.save(progress, done=True, summary=summary)
+    return summary
+
+
+def run_steps(model, optimizer, step_loss, cfg: PhaseConfig, progress: Progress, saving: Checkpoint) -> float | None:
+    """Optimizer steps until the phase's steps or seconds (or the run's deadline) are spent;
+    returns the smoothed loss (None: no step ran)."""
     tokens_per_step = cfg.batch_size * cfg.seq_len
-
-    def save(done=False, summary=None):
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                 "step": step, "total": total, "seconds": spent, "done": done}
-        if summary is not None:
-            state["summary"] = summary
-        torch.save(state, str(checkpoint) + ".tmp")
-        Path(str(checkpoint) + ".tmp").replace(checkpoint)
-
-    interactive = sys.stderr.isatty()
-    bar = tqdm(total=total, initial=step, desc=cfg.name, unit="step", dynamic_ncols=True,
-               mininterval=0.5 if interactive else 30)
+    bar = tqdm(total=progress.total, initial=progress.step, desc=cfg.name, unit="step", dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 30)
     last_save = time.perf_counter()
     loss_avg = None
     durations: list[float] = []
-    while total is None or step < total:
+    while progress.total is None or progress.step < progress.total:
         if cfg.deadline is not None and time.perf_counter() >= cfg.deadline:
             break  # the run's budget is spent (a phase that starts after it trains no step)
         started = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, total or 10 ** 9, cfg.lr)
-        if loss is None:
-            value = phase_loss(forward, next(stream), teacher_forward, cfg.temperature, autocast)
-        else:
-            value = loss(next(stream), autocast)
+            group["lr"] = learning_rate(progress.step, progress.total or 10 ** 9, cfg.lr)
+        value = step_loss()
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
-        spent += elapsed
-        step += 1
+        progress.spent += elapsed
+        progress.step += 1
         value = value.item()
         loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
         durations.append(elapsed)
-        recent = durations[1:] if step == ESTIMATE_AT[0] else durations[ESTIMATE_AT[0]:]
-        if cfg.steps is None and step in ESTIMATE_AT and recent:
-            # Size the schedule from the mean step time since the last estimate (the first
-            # step, which may compile, is left out).
-            mean = sum(recent) / len(recent)
-            total = max(step + 1, int(step + (cfg.seconds - spent) / mean))
-            bar.reset(total=total)
-            bar.update(step)
+        resize_schedule(cfg, progress, durations, bar)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}", refresh=False)
         if time.perf_counter() - last_save > cfg.checkpoint_minutes * 60:
-            save()
+            saving.save(progress)
             last_save = time.perf_counter()
-        if cfg.steps is None and spent >= cfg.seconds:
+        if cfg.steps is None and progress.spent >= cfg.seconds:
             break  # the phase's budget is spent: steps slower than estimated do not overrun it
     bar.close()
-    model.eval().requires_grad_(False)
-    summary = {"steps": step, "tokens": step * tokens_per_step, "seconds": round(spent, 1),
-               "final_loss": None if loss_avg is None else round(loss_avg, 4)}
-    save(done=True, summary=summary)
-    return summary
+    return loss_avg
+
+
+def resize_schedule(cfg: PhaseConfig, progress: Progress, durations: list[float], bar) -> None:
+    """At the ESTIMATE_AT steps of a timed phase, size the schedule from the mean step time
+    since the last estimate (the first step, which may compile, is left out)."""
+    step = progress.step
+    recent = durations[1:] if step == ESTIMATE_AT[0] else durations[ESTIMATE_AT[0]:]
+    if cfg.steps is None and step in ESTIMATE_AT and recent:
+        mean = sum(recent) / len(recent)
+        progress.total = max(step + 1, int(step + (cfg.seconds - progress.spent) / mean))
+        bar.reset(total=progress.total)
+        bar.update(step)
