@@ -1,4 +1,4 @@
-"""Regenerates every benchmark and the results section of BENCHMARKS.md.
+"""Regenerates every benchmark and its full tables, benchmarks/results/TABLES.md.
 
     python benchmarks/run.py            # all sections (about an hour and a half on 2 CPU cores)
     python benchmarks/run.py default    # only some: default, heads, llama, gemma, mixed, batch, qwen, engine, ...
@@ -22,7 +22,8 @@ two threads can run ten times slower than one (each waits for the other to be sc
 
 Each section runs in this one process, on the same models and prompts for every method,
 and writes benchmarks/results/<section>.json (and a PNG where it helps); the tables in
-BENCHMARKS.md between the result markers are rebuilt from all the JSON files present.
+results/TABLES.md between the result markers are rebuilt from all the JSON files present
+(BENCHMARKS.md, the results per CPU, is kept by hand from them).
 """
 
 import importlib.util
@@ -42,6 +43,7 @@ from speculative import load_model, load_tokenizer
 from speculative.bench import batch_throughput, machine, plot, run_bench, table
 
 import batch_ray
+import lookup_vs_transformers
 import vs_llama_cpp
 import quality
 import qwen
@@ -514,7 +516,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "trees-tau": lambda: trees.tau_section(save),
             "llama-cpp": lambda: vs_llama_cpp.qwen_section(save_per_machine, qwen_workloads),
             "llama-cpp-gemma": lambda: vs_llama_cpp.gemma_section(save_per_machine, gemma_workloads),
-            "int8-quality": lambda: quality.section(save_per_machine)}
+            "int8-quality": lambda: quality.section(save_per_machine),
+            "lookup-transformers": lambda: lookup_vs_transformers.section(save_per_machine)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",
           "heads-gemma-grounded",
           "heads-gemma-grounded-float32", "mixed", "llama", "gemma", "gemma-bfloat16", "qwen",
@@ -558,7 +561,7 @@ def render() -> str:
             if name.startswith("trees-"):
                 parts.append(depth_words(report))
             if (RESULTS / f"{name}.png").is_file():
-                parts.append(f"![{name}](results/{name}.png)\n")
+                parts.append(f"![{name}]({name}.png)\n")
     path = RESULTS / "divergence.json"
     if path.is_file():
         parts.append("### Greedy divergence: speculative against autoregressive output of the same model and dtype\n")
@@ -690,7 +693,7 @@ def render_engine(report: dict) -> list[str]:
 
 
 def update_markdown() -> None:
-    path = ROOT / "BENCHMARKS.md"
+    path = RESULTS / "TABLES.md"
     text = path.read_text()
     start, end = "<!-- results:start -->", "<!-- results:end -->"
     head, rest = text.split(start)
@@ -710,7 +713,7 @@ if __name__ == "__main__":
         print(f"== {name}")
         SECTIONS[name]()
     if all(name.endswith("-smoke") for name in chosen):
-        print("smoke run: BENCHMARKS.md left as it is")
+        print("smoke run: results/TABLES.md left as it is")
     else:
         update_markdown()
-        print("BENCHMARKS.md updated")
+        print("results/TABLES.md updated")

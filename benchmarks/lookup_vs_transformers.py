@@ -1,0 +1,161 @@
+"""Our prompt lookup against transformers' `prompt_lookup_num_tokens` on the very same module.
+
+Gemma 3 270M loads natively (models/gemma3.py) by default; transformers' generate needs its
+own module, so both sides here run the transformers module that `load_model` would wrap
+(HFModel over Gemma3ForCausalLM, the same packed layers): per forward they pay the same,
+and what differs is drafting. Our native model runs beside them for reference.
+
+Fairness: in bfloat16, near-ties (top two logits one bfloat16 step apart) can make a method's
+text leave greedy decoding, and a different text is a different amount of work. Each method's
+text is compared with plain greedy decoding of its module; speed ratios between ours and
+transformers' are taken only over prompts where both texts are identical, and the prompts left
+out are named. Rounds interleave every method prompt by prompt, each round starting at the
+next method; figures are medians over rounds.
+
+The first-against-tenth check runs one fresh process per method: the same prompt ten times
+through one decoder, each request's seconds per token.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
+from speculative.loading import _load_transformers, _prepare, resolve
+
+K = 24  # our lookup's default K (cli.LOOKUP_K)
+PEER_K = 10  # transformers' documented prompt_lookup_num_tokens
+
+
+def hf_module(dtype: str):
+    """Gemma 3 270M through transformers, prepared as load_model prepares a transformers model."""
+    path = resolve("gemma-3-270m")
+    torch_dtype = getattr(torch, dtype)
+    model = _load_transformers(path, "cpu", torch_dtype, lambda m: _prepare(m, "gemma-3-270m", None, False))
+    return model
+
+
+def transformers_lookup(hf, ids, n):
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        out = hf.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, prompt_lookup_num_tokens=PEER_K, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def methods(dtype: str) -> tuple[dict, dict]:
+    """(methods by name, the plain method of each module) for one dtype."""
+    hf = hf_module(dtype)
+    native = load_model("gemma-3-270m", dtype=dtype)
+    ours_hf = SpeculativeDecoder(hf, NGramProposer(num_draft_tokens=K), SpeculativeConfig(num_draft_tokens=K))
+    ours_native = SpeculativeDecoder(native, NGramProposer(num_draft_tokens=K), SpeculativeConfig(num_draft_tokens=K))
+    table = {
+        "plain (transformers module)": lambda ids, n: autoregressive_generate(hf, ids, n),
+        f"transformers prompt lookup ({PEER_K})": lambda ids, n: transformers_lookup(hf, ids, n),
+        f"ours lookup, adaptive K<={K} (transformers module)": lambda ids, n: ours_hf.generate(ids, n),
+        "plain (native module)": lambda ids, n: autoregressive_generate(native, ids, n),
+        f"ours lookup, adaptive K<={K} (native module)": lambda ids, n: ours_native.generate(ids, n),
+    }
+    plain_of = {name: ("plain (native module)" if "native" in name else "plain (transformers module)")
+                for name in table}
+    return table, plain_of
+
+
+def timed(run, ids, n):
+    start = time.perf_counter()
+    out = run(ids, n)
+    return out, time.perf_counter() - start
+
+
+def compare(dtype: str, prompts: list[list[int]], max_new: int = 128, runs: int = 3) -> dict:
+    table, plain_of = methods(dtype)
+    names = list(table)
+    for name in names:  # warm-up: kernels, tables, the policy's first steps
+        table[name](prompts[0][:200], 8)
+    seconds = {name: [[] for _ in prompts] for name in names}
+    texts = {name: [None] * len(prompts) for name in names}
+    for round_ in range(runs):
+        for i, ids in enumerate(prompts):
+            start = (round_ * len(prompts) + i) % len(names)
+            for name in names[start:] + names[:start]:
+                out, secs = timed(table[name], ids, max_new)
+                texts[name][i] = out
+                seconds[name][i].append(secs)
+                print(f"{dtype} round {round_} prompt {i} {name}: {secs:.2f} s", file=sys.stderr, flush=True)
+    medians = {name: [statistics.median(s) for s in seconds[name]] for name in names}
+    report = {"dtype": dtype, "prompts": len(prompts), "max_new": max_new, "runs": runs, "methods": {}}
+    for name in names:
+        plain = plain_of[name]
+        same = [texts[name][i] == texts[plain][i] for i in range(len(prompts))]
+        report["methods"][name] = {
+            "tok_s": round(max_new * len(prompts) / sum(medians[name]), 2),
+            "x_plain": round(sum(medians[plain]) / sum(medians[name]), 2),
+            "identical_to_plain": same, "seconds": [round(s, 3) for s in medians[name]]}
+    ours = f"ours lookup, adaptive K<={K} (transformers module)"
+    peer = f"transformers prompt lookup ({PEER_K})"
+    both = [i for i in range(len(prompts)) if texts[ours][i] == texts[peer][i]]
+    report["ours_over_transformers"] = {
+        "prompts_compared": both,
+        "x": round(sum(medians[peer][i] for i in both) / sum(medians[ours][i] for i in both), 2) if both else None,
+        "native_x": round(sum(medians[peer][i] for i in both)
+                          / sum(medians[f"ours lookup, adaptive K<={K} (native module)"][i] for i in both), 2)
+        if both else None}
+    return report
+
+
+def first_against_tenth(dtype: str, method: str, prompt_index: int = 0, repeats: int = 10) -> dict:
+    """Seconds per token of the 1st to `repeats`th request of one process (run in a fresh one)."""
+    script = f"""
+import json, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from lookup_vs_transformers import prompts_of
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
+target = load_model("gemma-3-270m", dtype={dtype!r})
+ids = prompts_of(target.tokenizer)[{prompt_index}]
+if {method!r} == "plain":
+    run = lambda: autoregressive_generate(target, ids, 128)
+else:
+    decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens={K}), SpeculativeConfig(num_draft_tokens={K}))
+    run = lambda: decoder.generate(ids, 128)
+seconds = []
+for _ in range({repeats}):
+    start = time.perf_counter(); run(); seconds.append(time.perf_counter() - start)
+print(json.dumps(seconds))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    seconds = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"dtype": dtype, "method": method, "seconds": [round(s, 3) for s in seconds],
+            "first_over_tenth": round(seconds[0] / seconds[-1], 3),
+            "first_over_median_of_rest": round(seconds[0] / statistics.median(seconds[1:]), 3)}
+
+
+def prompts_of(tokenizer) -> list[list[int]]:
+    path = Path(__file__).parent / "grounded_editing.jsonl"
+    return [tokenizer.encode(json.loads(line)["prompt"]) for line in path.read_text().splitlines() if line.strip()]
+
+
+def section(save_per_machine, runs: int = 3) -> None:
+    """Both dtypes, then the first-against-tenth check (about 25 minutes on 2 cores)."""
+    tokenizer = load_model("gemma-3-270m", dtype="float32").tokenizer
+    prompts = prompts_of(tokenizer)
+    entry = {"compare": [compare(dtype, prompts, runs=runs) for dtype in ("float32", "bfloat16")],
+             "first_request": [first_against_tenth("bfloat16", method) for method in ("plain", "lookup")]}
+    save_per_machine("lookup-transformers", entry)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "compare"
+    if what == "compare":
+        tokenizer = load_model("gemma-3-270m", dtype="float32").tokenizer
+        count = int(sys.argv[3]) if len(sys.argv) > 3 else None
+        print(json.dumps(compare(sys.argv[2], prompts_of(tokenizer)[:count], runs=int(sys.argv[4]) if len(sys.argv) > 4
+                                 else 3)))
+    else:
+        print(json.dumps(first_against_tenth(sys.argv[2], sys.argv[3])))
