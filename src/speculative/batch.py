@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Iterator
 
 from .config import MAX_NEW_TOKENS
+from .engine_args import EngineArgs
 from .rows import SEED_RANGE, SamplingParams
 
 # Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored,
@@ -34,77 +35,12 @@ NOT_RECORD_SETTINGS = {"max_new_tokens": 'write "max_tokens"', "max_completion_t
 
 
 @dataclass
-class ModelSpec:
-    """The models and decoding settings of a job, picklable: every Ray actor loads its own
-    models from it. Field names follow `speculative generate`'s options."""
+class ModelSpec(EngineArgs):
+    """The engine options of a job (EngineArgs: picklable, every Ray actor builds its own
+    engine from it) and the budget of records that give none (`temperature` is the
+    temperature of records that give none)."""
 
-    target: str = "default"
-    # A model directory or preset, 'ngram', MODEL+ngram, or 'none' (plain decoding through
-    # the same engine, the baseline); None: the target's partner.
-    draft: str | None = None
-    # K: the most adaptive K may choose, or the fixed K (None: 4 for a draft model, 10 for ngram).
-    num_draft_tokens: int | None = None
-    adaptive: bool = True
-    draft_temperature: float = 1.0
-    ngram_min: int | None = None
-    ngram_max: int | None = None
-    # Token trees (SpeculativeConfig.tree_top_k / tree_max_tokens).
-    tree_top_k: int = 1
-    tree_max_tokens: int = 16
-    device: str = "cpu"
-    dtype: str = "auto"
-    draft_dtype: str = "auto"
-    draft_vocab: int = 0
-    draft_vocab_corpus: str = "stdlib"
-    # Requests one engine runs at once.
-    max_batch_size: int = 8
-    # For records without their own max_tokens / temperature.
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    # Set by check(): the defaults above are resolved.
-    checked: bool = False
-
-    def check(self) -> "ModelSpec":
-        """A copy with the defaults resolved and the options checked, before any model loads."""
-        from .cli import LOOKUP_K, LOOKUPS, ngram_sizes
-        from .cli_checks import check_draft_options
-        from .inputs import check_device
-        from .loading import PARTNERS
-
-        if self.checked:
-            return self
-        spec = replace(self, checked=True)
-        check_device(spec.device, "--device")
-        spec.draft = spec.draft or PARTNERS.get(spec.target, "ngram")
-        check_draft_options(spec, spec.draft)
-        ngram_sizes(spec, spec.draft)
-        if spec.num_draft_tokens is None:
-            spec.num_draft_tokens = LOOKUP_K if spec.draft in LOOKUPS else 4
-        if isinstance(spec.max_batch_size, bool) or not isinstance(spec.max_batch_size, int) or spec.max_batch_size < 1:
-            raise ValueError(f"--max-batch-size must be an integer >= 1, got {spec.max_batch_size!r}")
-        return spec
-
-    def load(self):
-        """(engine, tokenizer): the models, loaded once per worker."""
-        from . import Engine, SpeculativeConfig, load_model, load_tokenizer
-        from .cli import LOOKUPS, draft_vocab, make_draft
-        from .inputs import check_draft_width
-        from .proposers import as_proposer
-
-        config = SpeculativeConfig(num_draft_tokens=self.num_draft_tokens, draft_temperature=self.draft_temperature,
-                                   adaptive=self.adaptive, prompt_lookup=self.draft.endswith("+ngram"),
-                                   min_ngram=self.ngram_min, max_ngram=self.ngram_max, tree_top_k=self.tree_top_k,
-                                   tree_max_tokens=self.tree_max_tokens)
-        target = load_model(self.target, device=self.device, dtype=self.dtype)
-        tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(self.target)
-        if self.draft == "none":
-            return Engine(target, None, config, max_batch_size=self.max_batch_size), tokenizer
-        draft = make_draft(self.draft, self.device, self)
-        for model, role in [(target, "target")] + ([(draft, "draft")] if hasattr(draft, "max_seq_len") else []):
-            check_draft_width(self.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
-        vocab = None if self.draft in LOOKUPS else draft_vocab(self, tokenizer)
-        proposer = as_proposer(draft, config, vocab, target=target)
-        return Engine(target, proposer, config, max_batch_size=self.max_batch_size), tokenizer
 
 
 def _json(value) -> str:
@@ -183,11 +119,9 @@ class Worker:
     """Records in, output lines out, on one engine: the models load once."""
 
     def __init__(self, spec: ModelSpec, clock: Callable[[], float] = time.perf_counter):
-        self.spec = spec = spec.check()
-        self.engine, self.tokenizer = spec.load()
-        limits = [m.max_seq_len for m in (self.engine.target, getattr(self.engine.proposer, "model", None))
-                  if getattr(m, "max_seq_len", None)]
-        self.context = min(limits) if limits else None
+        self.spec = spec.validate()
+        built = self.spec.build()
+        self.engine, self.tokenizer, self.context = built.engine(), built.tokenizer, built.context
         self.clock = clock
         self.step_seconds = 0.0  # inside engine.step: what is not overhead
 
@@ -296,7 +230,7 @@ def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = Tr
 
     check_paths(input_path, output_path)
     records = read_records(input_path)
-    spec = spec.check()
+    spec = spec.validate()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
     todo = [record for _, record in pending(records, output.done)]

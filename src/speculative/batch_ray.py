@@ -22,6 +22,7 @@ import logging
 import math
 import pickle
 import time
+from dataclasses import replace
 from typing import Callable
 
 from .batch import ModelSpec, Summary, Worker, progress
@@ -33,10 +34,8 @@ class GenerateBatch:
 
     def __init__(self, spec: ModelSpec, threads: int):
         import ray
-        import torch
 
-        torch.set_num_threads(threads)
-        self.worker = Worker(spec)
+        self.worker = Worker(replace(spec, threads=threads))  # the engine, on the actor's CPUs
         self.node = ray.get_runtime_context().get_node_id()
         self.loaded_at = time.time()  # wall clock: the driver compares it with its own
 
@@ -76,7 +75,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
         raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
     check_paths(input_path, output_path)
     records = read_records(input_path)
-    spec = spec.check()
+    spec = spec.validate()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
     todo = [record for _, record in pending(records, output.done)]

@@ -77,37 +77,6 @@ def integer_list(text: str) -> tuple[int, ...]:
     return values
 
 
-# What the drafts without a model draft with, for errors about options that need a model.
-NO_MODEL = {"none": "it drafts nothing", "ngram": "prompt lookup, no draft model",
-            "suffix": "lookup, no draft model"}
-
-
-def check_draft_options(args, draft_name: str) -> None:
-    """Refuse options that would do nothing with the chosen draft (generate, batch, serve;
-    before a model loads and before defaults are filled in). Values equal to an option's
-    default count as left out."""
-    fixed = getattr(args, "fixed_k", None)
-    fixed = (not args.adaptive) if fixed is None else fixed
-    unused = []
-    if draft_name in NO_MODEL:
-        unused += [name for name, used in (("--draft-vocab", args.draft_vocab != 0),
-                                           ("--draft-dtype", args.draft_dtype != "auto"),
-                                           ("--draft-temperature", args.draft_temperature != 1.0)) if used]
-    if draft_name == "none":
-        unused += [name for name, used in (("--num-draft-tokens (-k)", args.num_draft_tokens is not None),
-                                           ("--fixed-k", fixed), ("--tree-top-k", args.tree_top_k != 1)) if used]
-    if unused:
-        raise ValueError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with --draft "
-                         f"{draft_name} ({NO_MODEL[draft_name]}); leave {'it' if len(unused) == 1 else 'them'} out, "
-                         "or name a draft model with --draft")
-    if args.draft_vocab_corpus != "stdlib" and not args.draft_vocab:
-        raise ValueError("--draft-vocab-corpus applies with --draft-vocab N (N > 0), which chooses the tokens the "
-                         "draft scores; give both, or neither")
-    if args.tree_max_tokens != 16 and args.tree_top_k == 1:
-        raise ValueError("--tree-max-tokens applies to token trees: give --tree-top-k 2 or more as well (with "
-                         "--tree-top-k 1 drafts are chains of --num-draft-tokens)")
-
-
 def argument_text(text: str, option: str) -> str:
     """Text given on the command line, refused when empty or not UTF-8 (Python keeps
     undecodable bytes of argv as lone surrogates, which no tokenizer takes)."""

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..cli_checks import EXIT_STATUSES, BusyPort, integer, number
-from ..config import MAX_BATCH_SIZE
+from ..engine_args import EngineArgs, describe_draft
 
 log = logging.getLogger("speculative.serve")
 
@@ -26,38 +26,26 @@ NEEDS = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def add_serve(sub) -> None:
-    from ..cli import add_drafting, add_precision
-
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the step engine",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
                                    "(Prometheus) with continuous batching and speculative decoding. Greedy "
                                    "requests get exactly the target's own greedy tokens. Needs the serve extra: "
                                    "pip install 'speculative[serve]'. " + EXIT_STATUSES)
-    p.add_argument("--target", default="default", help="target: a local model directory, a .gguf file, or a "
-                   "preset (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft: a model directory or preset, 's4d', 'ngram' (prompt "
-                   "lookup), a model followed by '+ngram', or 'none' (plain decoding). Default: "
-                   "default-draft+ngram for the shipped target, ngram otherwise")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=integer(1, 65535), default=8000, help="port, 1..65535; one in use exits with "
                    "status 3 (default: %(default)s)")
-    p.add_argument("--max-batch-size", type=integer(1, MAX_BATCH_SIZE), default=8, help="requests decoded together "
-                   "(default: %(default)s)")
     p.add_argument("--max-waiting", type=integer(0), default=64, help="requests that may wait for a row; more "
                    "are refused with 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for a tokenizer without "
                    "one (or to replace its own)")
-    add_drafting(p)
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    p.add_argument("--threads", type=integer(1), default=None, help="torch threads (default: torch's own)")
     p.add_argument("--max-body-bytes", type=integer(1), default=1 << 20, help="larger request bodies are refused "
                    "with 413 (default: %(default)s)")
     p.add_argument("--no-access-log", action="store_true", help="no log line per request on stderr")
     p.add_argument("--shutdown-grace", type=number(0), default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM before they are aborted (default: %(default)s)")
-    add_precision(p)
+    EngineArgs.add_to_parser(p, batching=True, threads=True)
     p.set_defaults(run=run_serve)
 
 
@@ -131,46 +119,16 @@ def check_template(option: str, path: str, tokenizer) -> None:
         raise ValueError(f"{option} {path} renders a chat of one user turn as no tokens")
 
 
-def build_engine(args):
-    """The target, its tokenizer and the engine the options ask for (options checked first)."""
-    import torch
-
-    from .. import Engine, SpeculativeConfig, load_model, load_tokenizer
-    from ..cli import LOOKUP_K, LOOKUPS, draft_vocab, make_draft, ngram_sizes
-    from ..cli_checks import check_draft_options
-    from ..inputs import check_device, check_draft_width
-    from ..loading import PARTNERS
-    from ..proposers import as_proposer
-
-    device = check_device(args.device, "--device")
-    draft_name = args.draft = args.draft or PARTNERS.get(args.target, "ngram")  # the banner names it
-    plain = draft_name == "none"
-    check_draft_options(args, draft_name)
-    ngram_sizes(args, draft_name)
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = LOOKUP_K if draft_name in LOOKUPS else 4
+def build_engine(args, engine_args: EngineArgs):
+    """The engine, its tokenizer (with --chat-template) and the context every request must
+    fit; the template is read and checked before a model loads."""
     template = None if args.chat_template is None else read_template("--chat-template", args.chat_template)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    config = SpeculativeConfig(num_draft_tokens=args.num_draft_tokens, draft_temperature=args.draft_temperature,
-                               adaptive=not args.fixed_k, prompt_lookup=draft_name.endswith("+ngram"),
-                               min_ngram=args.ngram_min, max_ngram=args.ngram_max, tree_top_k=args.tree_top_k,
-                               tree_max_tokens=args.tree_max_tokens)
-    target = load_model(args.target, device=device, dtype=args.dtype)
-    tokenizer = getattr(target, "tokenizer", None) or load_tokenizer(args.target)
+    built = engine_args.build()
+    tokenizer = built.tokenizer
     tokenizer.chat_template = template or tokenizer.chat_template
     if template is not None:
         check_template("--chat-template", args.chat_template, tokenizer)
-    draft = None if plain else make_draft(draft_name, device, args)
-    models = [target] + ([draft] if hasattr(draft, "max_seq_len") else [])
-    for model, role in zip(models, ("target", "draft")):
-        check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
-    if draft is not None:
-        vocab = None if draft_name in LOOKUPS else draft_vocab(args, tokenizer)
-        draft = as_proposer(draft, config, vocab, target=target)
-    engine = Engine(target, draft, config, max_batch_size=args.max_batch_size)
-    limits = [m.max_seq_len for m in models if m.max_seq_len]
-    return engine, tokenizer, min(limits) if limits else None
+    return built.engine(), tokenizer, built.context
 
 
 def warm_up(engine, tokenizer) -> None:
@@ -185,8 +143,6 @@ def warm_up(engine, tokenizer) -> None:
 
 
 def run_serve(args) -> int:
-    from ..cli import describe_draft
-
     check_installed()
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
@@ -199,7 +155,8 @@ def run_serve(args) -> int:
     from .engine_loop import EngineLoop
     from .metrics import Metrics
 
-    engine, tokenizer, context = build_engine(args)
+    engine_args = EngineArgs.from_args(args).validate()
+    engine, tokenizer, context = build_engine(args, engine_args)
     warm_up(engine, tokenizer)
     loop = EngineLoop(engine, tokenizer.decode, Metrics(), args.max_waiting)
     settings = Settings(args.served_model_name or args.target, context, args.api_key, args.max_body_bytes,
@@ -209,9 +166,7 @@ def run_serve(args) -> int:
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_grace + 30),
                             on_exit=lambda: loop.drain(args.shutdown_grace), grace=args.shutdown_grace)
-    k = "" if args.draft == "none" else f"K {'fixed' if args.fixed_k else 'adaptive, at most'} {args.num_draft_tokens}, "
-    print(f"serving {settings.model_name} on http://{args.host}:{args.port} (draft: {describe_draft(args.draft)}, "
-          f"{k}batch {args.max_batch_size}, waiting {args.max_waiting})", file=sys.stderr, flush=True)
+    print(banner(settings.model_name, args, engine_args), file=sys.stderr, flush=True)
     try:
         server.run()
     except SystemExit as exit:  # uvicorn's own exit when the port was taken after check_address
@@ -222,6 +177,14 @@ def run_serve(args) -> int:
         raise OSError(f"could not serve on {args.host}:{args.port}")
     log.info("stopped after %d HTTP requests", server.server_state.total_requests)
     return 0
+
+
+def banner(model_name: str, args, engine_args: EngineArgs) -> str:
+    """What serves where, and how it drafts."""
+    draft, k = engine_args.draft, engine_args.num_draft_tokens
+    how = "" if draft == "none" else f"K {'adaptive, at most' if engine_args.adaptive else 'fixed'} {k}, "
+    return (f"serving {model_name} on http://{args.host}:{args.port} (draft: {describe_draft(draft)}, {how}batch "
+            f"{engine_args.max_batch_size}, waiting {args.max_waiting})")
 
 
 def setup_logging(quiet_access: bool) -> None:
