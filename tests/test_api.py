@@ -29,7 +29,7 @@ def test_accept_reject_shape_mismatch():
     (dict(num_draft_tokens=0), "num_draft_tokens must be >= 1, got 0"),
     (dict(num_draft_tokens=2.5), "num_draft_tokens must be an integer"),
     (dict(draft_temperature=-0.1), "draft_temperature must be a number >= 0"),
-    (dict(main_temperature=-1), "main_temperature must be a number >= 0"),
+    (dict(target_temperature=-1), "target_temperature must be a number >= 0"),
     (dict(top_p=0), r"0 < top_p <= 1, got 0"),
     (dict(top_p=1.5), r"0 < top_p <= 1"),
     (dict(top_k=0), "top_k must be None or an integer >= 1"),
@@ -42,7 +42,7 @@ def test_config_validation(kwargs, message):
 
 def test_config_defaults_follow_the_rust_design():
     cfg = SpeculativeConfig()
-    assert (cfg.num_draft_tokens, cfg.draft_temperature, cfg.main_temperature, cfg.greedy_verification) == \
+    assert (cfg.num_draft_tokens, cfg.draft_temperature, cfg.target_temperature, cfg.greedy_verification) == \
         (4, 1.0, 1.0, True)
 
 

@@ -29,7 +29,7 @@ def test_a_draft_that_is_not_a_model_is_refused(pair, draft, message):
 
 
 def test_a_target_that_is_not_a_model_is_refused(pair):
-    with pytest.raises(TypeError, match="main_model must be a loaded model, got the name 'default'"):
+    with pytest.raises(TypeError, match="target must be a loaded model, got the name 'default'"):
         SpeculativeDecoder("default", pair[0])
     with pytest.raises(TypeError, match="model is None"):
         autoregressive_generate(None, [1, 2], 3)
@@ -43,12 +43,12 @@ def test_a_config_that_is_not_a_speculative_config_is_refused(pair):
 
 
 def test_config_takes_numpy_numbers_as_python_ones():
-    config = SpeculativeConfig(num_draft_tokens=np.int64(4), top_k=np.int32(5), main_temperature=np.float32(0.5),
+    config = SpeculativeConfig(num_draft_tokens=np.int64(4), top_k=np.int32(5), target_temperature=np.float32(0.5),
                                seed=np.uint64(7), adaptive=np.bool_(False))
-    assert (config.num_draft_tokens, config.top_k, config.main_temperature, config.seed, config.adaptive) == \
+    assert (config.num_draft_tokens, config.top_k, config.target_temperature, config.seed, config.adaptive) == \
         (4, 5, 0.5, 7, False)
     assert all(type(v) in (int, float, bool) for v in (config.num_draft_tokens, config.top_k,
-                                                        config.main_temperature, config.seed, config.adaptive))
+                                                        config.target_temperature, config.seed, config.adaptive))
     with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 1, got np.float64"):
         SpeculativeConfig(num_draft_tokens=np.float64(4.0))
 
@@ -63,7 +63,7 @@ def test_config_is_frozen_so_that_no_setting_skips_validation():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(main_temperature=float("inf")), "main_temperature must be a number >= 0 .* finite, got inf"),
+    (dict(target_temperature=float("inf")), "target_temperature must be a number >= 0 .* finite, got inf"),
     (dict(draft_temperature=float("nan")), "draft_temperature must be a number >= 0 .* finite, got nan"),
     (dict(seed=2 ** 64), "seed must be None or an integer in 0..18446744073709551615, got 18446744073709551616"),
     (dict(seed=-1), "seed must be None or an integer in 0..18446744073709551615, got -1"),

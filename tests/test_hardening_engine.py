@@ -329,7 +329,7 @@ def test_a_tiny_draft_temperature_drafts_as_a_greedy_draft(models, draft_tempera
 
     def sampled(temperature):
         config = SpeculativeConfig(adaptive=False, num_draft_tokens=3, greedy_verification=False,
-                                   main_temperature=1.0, draft_temperature=temperature)
+                                   target_temperature=1.0, draft_temperature=temperature)
         return SpeculativeDecoder(target, draft, config).generate([PROMPTS["a"]] * 4, 12, seeds=[1, 2, 3, 4])
     assert sampled(draft_temperature) == sampled(0.0)
 
@@ -337,7 +337,7 @@ def test_a_tiny_draft_temperature_drafts_as_a_greedy_draft(models, draft_tempera
 def test_config_temperatures_below_the_threshold_are_greedy(models, reference):
     target, draft = models
     for temperature in (5e-324, 1e-40):
-        config = SpeculativeConfig(greedy_verification=False, main_temperature=temperature)
+        config = SpeculativeConfig(greedy_verification=False, target_temperature=temperature)
         assert not config.sampling
         assert SpeculativeDecoder(target, draft, config).generate(PROMPTS["b"], BUDGETS["b"]) == reference["b"]
         assert autoregressive_generate(target, PROMPTS["b"], BUDGETS["b"], config) == reference["b"]

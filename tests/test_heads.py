@@ -32,7 +32,7 @@ def trained(tmp_path_factory):
     """A tiny target and a head trained for it for 150 seeded steps on the target's own samples."""
     target = sharpen(tiny("decoder_only", seed=1), 4.0)
     starts = prompts(40, seed=0, low=4, high=5)
-    sampled = SpeculativeConfig(greedy_verification=False, main_temperature=1.0)
+    sampled = SpeculativeConfig(greedy_verification=False, target_temperature=1.0)
     samples = autoregressive_generate(target, starts, 60, sampled, seeds=list(range(40)))
     data = torch.tensor([t for p, s in zip(starts, samples) for t in p + s])
     out = tmp_path_factory.mktemp("head")
@@ -352,7 +352,7 @@ def test_training_a_head_for_a_transformers_target_lowers_its_loss(tmp_path):
         model.model.norm.weight.mul_(8.0)  # peaked distributions: something to learn
     target = saved(model, tmp_path / "llama")
     starts = prompts(16, seed=0, low=4, high=5)
-    sampled = SpeculativeConfig(greedy_verification=False, main_temperature=1.0)
+    sampled = SpeculativeConfig(greedy_verification=False, target_temperature=1.0)
     samples = autoregressive_generate(target, starts, 40, sampled, seeds=list(range(16)))
     data = torch.tensor([t for p, s in zip(starts, samples) for t in p + s])
     cfg = HeadTraining(seconds=0, steps=60, lr=1e-2, seq_len=32, batch_size=8, bf16=False, vocab=48)

@@ -26,7 +26,7 @@ def exact_joint(model, config, prompt=PROMPT):
     tokens = torch.cat([torch.tensor(prompt).repeat(len(rows), 1), rows], 1)
     with torch.inference_mode():
         logits = model.forward(tokens, model.new_state(len(rows), tokens.shape[1]))  # (V^2, L+2, V)
-    p = probabilities(logits[:, len(prompt) - 1:], config.main_temperature, config.top_k, config.top_p)
+    p = probabilities(logits[:, len(prompt) - 1:], config.target_temperature, config.top_k, config.top_p)
     first = p[0, 0]  # (V,)
     second = p[::VOCAB, 1]  # (V, V): row t1
     third = p[:, 2].reshape(VOCAB, VOCAB, VOCAB)  # [t1, t2, t3]
@@ -75,7 +75,7 @@ CASES = {
     "greedy draft": dict(draft_temperature=0.0),
     "cool draft": dict(draft_temperature=0.5),
     "hot draft": dict(draft_temperature=1.5),
-    "target temperature 0.7": dict(main_temperature=0.7, draft_temperature=1.0),
+    "target temperature 0.7": dict(target_temperature=0.7, draft_temperature=1.0),
     "top_k 3": dict(top_k=3),
     "top_p 0.9": dict(top_p=0.9),
     "K 4, first 3 of 6": dict(num_draft_tokens=4),
@@ -151,7 +151,7 @@ def test_exact_joint_matches_plain_sampling(models):
 def test_the_g_test_detects_a_wrong_distribution(models):
     """The check has teeth: samples at another temperature are rejected."""
     _, target = models
-    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, main_temperature=1.3)
+    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, target_temperature=1.3)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .deprecation import renamed_attribute, renamed_keywords
 from .sampling import MIN_TEMPERATURE
 
 # torch.Generator.manual_seed takes seeds up to 2**64 - 1 (and aliases negative ones onto them).
@@ -48,8 +49,9 @@ class SpeculativeConfig:
     # drafts). Never changes the output.
     draft_temperature: float = 1.0
     # Temperature of the target, i.e. of the output distribution (0, or below
-    # sampling.MIN_TEMPERATURE = greedy).
-    main_temperature: float = 1.0
+    # sampling.MIN_TEMPERATURE = greedy). Its old name, the source design's
+    # `main_temperature`, is still accepted and read, with a DeprecationWarning.
+    target_temperature: float = 1.0
     # True: keep drafted tokens while they equal the target's argmax (output = target greedy).
     # False: lossless rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
     greedy_verification: bool = True
@@ -87,7 +89,7 @@ class SpeculativeConfig:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"n-gram sizes need min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
                              f"max_ngram={self.max_ngram}")
-        for name in ("draft_temperature", "main_temperature"):
+        for name in ("draft_temperature", "target_temperature"):
             value = getattr(self, name)
             if not is_real(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0 (0 means greedy) and finite, got {value!r}")
@@ -117,7 +119,13 @@ class SpeculativeConfig:
     @property
     def sampling(self) -> bool:
         """Whether output tokens are sampled (False means greedy, target argmax)."""
-        return not self.greedy_verification and self.main_temperature >= MIN_TEMPERATURE
+        return not self.greedy_verification and self.target_temperature >= MIN_TEMPERATURE
+
+    main_temperature = renamed_attribute("main_temperature", "target_temperature")
+
+
+# The source design's name for the target's temperature stays accepted for one release.
+SpeculativeConfig.__init__ = renamed_keywords(main_temperature="target_temperature")(SpeculativeConfig.__init__)
 
 
 def is_real(value) -> bool:

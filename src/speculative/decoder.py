@@ -15,6 +15,7 @@ import torch
 from .adaptive import AdaptivePolicy
 from .config import SpeculativeConfig, as_config
 from .costs import cost_book
+from .deprecation import renamed_attribute, renamed_keywords
 from .engine import LEARNING, Engine, check_compatible
 from .inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
                      normalize_max_new, normalize_prompts)
@@ -37,27 +38,32 @@ def row_seeds(config: SpeculativeConfig, batch: int, seeds: list[int] | None) ->
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `main_model` (the target) with `draft_model` proposing.
+    """Speculative decoding of `target` with `draft` proposing.
 
-    `draft_model` is a model following `speculative.models.base` or a proposer such as
+    `draft` is a model following `speculative.models.base` or a proposer such as
     `NGramProposer`. Greedy verification reproduces the target's greedy output exactly;
-    sampling verification reproduces its distribution exactly.
+    sampling verification reproduces its distribution exactly. The source design's
+    keywords `main_model` and `draft_model` still work, with a DeprecationWarning.
     """
 
-    def __init__(self, main_model, draft_model, config: SpeculativeConfig | None = None, draft_vocab=None):
+    @renamed_keywords(main_model="target", draft_model="draft")
+    def __init__(self, target, draft, config: SpeculativeConfig | None = None, draft_vocab=None):
         """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
         `speculative.vocab.corpus_vocab`); None scores all."""
         self.config = as_config(config)
-        check_model(main_model)
-        check_draft(draft_model)
-        self.main_model = main_model
-        self.draft_model = draft_model
+        check_model(target, "target")
+        check_draft(draft)
+        self.target = target
+        self.draft = draft
         # The proposer every call forks its own from (the calls never share rows).
-        self.proposer = as_proposer(draft_model, self.config, draft_vocab, target=main_model)
-        check_compatible(main_model, self.proposer)
+        self.proposer = as_proposer(draft, self.config, draft_vocab, target=target)
+        check_compatible(target, self.proposer)
         self.stats = DecodeStats()
         # Learned across generations: acceptance and costs carry over from call to call.
-        self.policy = AdaptivePolicy.for_config(self.config, cost_book(main_model, self.proposer.model))
+        self.policy = AdaptivePolicy.for_config(self.config, cost_book(target, self.proposer.model))
+
+    main_model = renamed_attribute("main_model", "target")
+    draft_model = renamed_attribute("draft_model", "draft")
 
     def acceptance_rate(self) -> float:
         """Accepted / drafted over everything generated since the last reset_stats()."""
@@ -84,7 +90,7 @@ class SpeculativeDecoder:
 
     def _run(self, prompts: list[list[int]], max_new_tokens, eos_token_id, seeds) -> Iterator[tuple[int, list[int]]]:
         """All prompts as requests of one engine of their own (row b is request b)."""
-        cfg, target = self.config, self.main_model
+        cfg, target = self.config, self.target
         budgets = normalize_max_new(max_new_tokens, len(prompts))
         check_token_range(prompts, target.vocab_size)
         eos = sorted(check_eos(eos_token_id, target.vocab_size))
@@ -94,7 +100,7 @@ class SpeculativeDecoder:
             check_length(prompts, budgets, self.proposer.model, "draft")
             check_draft_width(cfg.num_draft_tokens, self.proposer.model, "draft")
         seeds = row_seeds(cfg, len(prompts), seeds)
-        temperature = cfg.main_temperature if cfg.sampling else 0.0
+        temperature = cfg.target_temperature if cfg.sampling else 0.0
         engine = Engine(target, self.proposer, cfg, max_batch_size=len(prompts),
                         policy=self.policy if cfg.adaptive else None, totals=lambda: self.stats)
         for row, (prompt, budget, seed) in enumerate(zip(prompts, budgets, seeds)):
@@ -111,8 +117,8 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
                             eos_token_id=None, seeds: list[int] | None = None):
     """The plain reference: one target forward per token, same model code, no drafting.
 
-    Greedy unless `config.greedy_verification` is False and `config.main_temperature` > 0,
-    in which case it samples with main_temperature / top_k / top_p, row b from its own
+    Greedy unless `config.greedy_verification` is False and `config.target_temperature` > 0,
+    in which case it samples with target_temperature / top_k / top_p, row b from its own
     generator (seeded like the speculative decoder's target stream).
     """
     config = as_config(config)
@@ -143,7 +149,7 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
             if bad:
                 raise NonFiniteLogits("target", [active[i] for i in bad])  # named as prompts
             if config.sampling:
-                tokens = sample(probabilities(logits, config.main_temperature, config.top_k, config.top_p),
+                tokens = sample(probabilities(logits, config.target_temperature, config.top_k, config.top_p),
                                 generators).tolist()
             else:
                 tokens = logits.argmax(-1).tolist()

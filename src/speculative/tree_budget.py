@@ -20,7 +20,7 @@ nothing about larger budgets, so the next step drafts at least twice as many nod
 copied from the prompt then climbs to the full budget at once (waiting for the probe, a
 replay of Gemma 3 270M's grounded prompts sat at 7-8 of 24 nodes, each tree kept whole).
 A draft model's trees do not grow so: each depth costs it a forward, which the plan
-weighs (forced growth cost the shipped verifier's head trees 1.30x -> 1.18x). Nor does a
+weighs (forced growth cost the shipped target's head trees 1.30x -> 1.18x). Nor does a
 budget whose expected rate is below a plain step's: where verify width is dear, trees of
 one node kept whole doubled to 12 and back every few steps.
 """

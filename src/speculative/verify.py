@@ -34,21 +34,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .deprecation import renamed_keywords
 from .sampling import Sampler, row_probabilities, sample, uniform
 from .tree import Tree
 
 
-def accept_reject(draft_tokens, verifier_tokens) -> torch.Tensor:
-    """Length of the longest common prefix of draft and verifier tokens.
+@renamed_keywords(verifier_tokens="target_tokens")
+def accept_reject(draft_tokens, target_tokens) -> torch.Tensor:
+    """Length of the longest common prefix of draft and target tokens.
 
-    Shapes [K] give a 0-dim integer tensor, [B, K] give [B] (the Edifice design).
+    Shapes [K] give a 0-dim integer tensor, [B, K] give [B] (the Edifice design, whose
+    `verifier_tokens` is the target's: that keyword still works, with a DeprecationWarning).
     """
     draft_tokens = torch.as_tensor(draft_tokens)
-    verifier_tokens = torch.as_tensor(verifier_tokens)
-    if draft_tokens.shape != verifier_tokens.shape or draft_tokens.dim() not in (1, 2):
+    target_tokens = torch.as_tensor(target_tokens)
+    if draft_tokens.shape != target_tokens.shape or draft_tokens.dim() not in (1, 2):
         raise ValueError("accept_reject takes two tensors of the same shape [K] or [B, K], got "
-                         f"{tuple(draft_tokens.shape)} and {tuple(verifier_tokens.shape)}")
-    match = (draft_tokens == verifier_tokens).long()
+                         f"{tuple(draft_tokens.shape)} and {tuple(target_tokens.shape)}")
+    match = (draft_tokens == target_tokens).long()
     return match.cumprod(-1).sum(-1)
 
 
