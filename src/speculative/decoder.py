@@ -91,19 +91,19 @@ class SpeculativeDecoder:
     def _run(self, prompts: list[list[int]], max_new_tokens, eos_token_id, seeds) -> Iterator[tuple[int, list[int]]]:
         """All prompts as requests of one engine of their own (row b is request b)."""
         cfg, target = self.config, self.target
-        budgets = normalize_max_new(max_new_tokens, len(prompts))
+        token_budgets = normalize_max_new(max_new_tokens, len(prompts))
         check_token_range(prompts, target.vocab_size)
         eos = sorted(check_eos(eos_token_id, target.vocab_size))
-        check_length(prompts, budgets, target, "target")
+        check_length(prompts, token_budgets, target, "target")
         check_draft_width(cfg.num_draft_tokens, target, "target")
         if self.proposer.model is not None:
-            check_length(prompts, budgets, self.proposer.model, "draft")
+            check_length(prompts, token_budgets, self.proposer.model, "draft")
             check_draft_width(cfg.num_draft_tokens, self.proposer.model, "draft")
         seeds = row_seeds(cfg, len(prompts), seeds)
         temperature = cfg.target_temperature if cfg.sampling else 0.0
         engine = Engine(target, self.proposer, cfg, max_batch_size=len(prompts),
                         policy=self.policy if cfg.adaptive else None, totals=lambda: self.stats)
-        for row, (prompt, budget, seed) in enumerate(zip(prompts, budgets, seeds)):
+        for row, (prompt, budget, seed) in enumerate(zip(prompts, token_budgets, seeds)):
             engine.add_request(prompt, SamplingParams(budget, temperature, cfg.top_k, cfg.top_p, seed, eos), row)
         while engine.has_unfinished():
             for output in engine.step():

@@ -31,7 +31,7 @@ def _number(value) -> bool:
 class SamplingParams:
     """How one request is decoded. Checked on creation; errors say what is allowed."""
 
-    # Most new tokens the request may get (its budget).
+    # Most new tokens the request may get (its token budget).
     max_new_tokens: int = 128
     # 0 is greedy (the target's argmax, token-identical to plain decoding); above 0,
     # sampling from the target's distribution at this temperature (below MIN_TEMPERATURE,
@@ -89,7 +89,7 @@ class RequestOutput:
     # Tokens committed this step (empty when the request only finished, e.g. aborted).
     new_token_ids: list[int]
     finished: bool = False
-    # "length" (its budget is spent), "stop" (a stop token), "abort", or "error" (the engine
+    # "length" (its token budget is spent), "stop" (a stop token), "abort", or "error" (the engine
     # could not go on with it: `error` says why); None while running.
     finish_reason: str | None = None
     error: str | None = None
@@ -119,7 +119,7 @@ class Row:
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.sequence)
         self.stats.prompt_tokens = self.prompt_tokens
-        self.budget = self.params.max_new_tokens
+        self.max_new_tokens = self.params.max_new_tokens  # its token budget
         self.sampler = self.params.sampler
         self.stop = frozenset(self.params.stop_token_ids or ())
         # A seeded sampled request drafts a fixed K: adaptive K follows timings and the rest
@@ -137,14 +137,14 @@ class Row:
 
     @property
     def left(self) -> int:
-        return self.budget - self.generated
+        return self.max_new_tokens - self.generated
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def commit(self, tokens: list[int], drafted: int, accepted: int) -> RequestOutput:
-        """Append what this step gives the row (cut at its budget and stop tokens)."""
+        """Append what this step gives the row (cut at its token budget and stop tokens)."""
         tokens = tokens[:self.left]
         for i, token in enumerate(tokens):
             if token in self.stop:

@@ -11,12 +11,13 @@ budget for the whole batch, which shares one verify forward as wide as its large
 
 verify(width) is the adaptive policy's cost line at this batch size (adaptive.Costs,
 probed up to the widest tree); a draft model's tree costs one draft forward per depth,
-min(n, depth cap) of them, each `draft` seconds (learned from tree steps); n = 0 is a plain
+min(n, deepest tree) of them, each `draft` seconds (learned from tree steps); n = 0 is a plain
 step. Budgets above the largest one observed keep their prior (a chain's: each position
 kept with probability PRIOR); every `probe_every` steps one drafts the full budget, so
 that they are learned. A lookup tree kept whole (its accepted path reaches its deepest
-node) that was shallower than its depth cap may have been cut by its budget: it says
-nothing about larger budgets, so the next step drafts at least twice as many nodes. Text
+node) that was shallower than its max draft (the deepest it could go) may have been cut
+by its node budget: it says nothing about larger budgets, so the next step drafts at
+least twice as many nodes. Text
 copied from the prompt then climbs to the full budget at once (waiting for the probe, a
 replay of Gemma 3 270M's grounded prompts sat at 7-8 of 24 nodes, each tree kept whole).
 A draft model's trees do not grow so: each depth costs it a forward, which the plan
@@ -71,7 +72,7 @@ class TreeBudget:
 
     # The largest budget (tree_max_tokens).
     max_nodes: int
-    # Depth cap of trees (the configured K).
+    # The deepest a tree may go (the configured K).
     max_depth: int
     probe_every: int = 16
     # Seconds of one draft-model forward while expanding a tree (None: not measured yet).
