@@ -23,7 +23,8 @@ from typing import Callable, Hashable, Iterable, Iterator
 
 from .config import MAX_NEW_TOKENS
 from .engine_args import EngineArgs
-from .rows import SEED_RANGE, SamplingParams
+from .inputs import check_request_seed
+from .rows import SamplingParams
 
 # Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored,
 # except settings that other front-ends take and records do not (refused: the record would be
@@ -83,9 +84,7 @@ def request_of(record: dict, tokenizer, spec: ModelSpec,
             or temperature < 0:
         raise ValueError(f"\"temperature\" must be a finite number >= 0 (0 = greedy), got {_json(temperature)}")
     seed = record.get("seed")
-    if has["seed"] and (isinstance(seed, bool) or not isinstance(seed, int)
-                        or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise ValueError(f"\"seed\" must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {_json(seed)}")
+    check_request_seed(seed, '"seed"', _json)
     stop = record.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):

@@ -11,7 +11,6 @@ greedy output is compared with the autoregressive one, token for token.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .bench_engine import batch_throughput
+from .bench_report import LEGEND, identical_words, machine, plot, table
 from .config import SpeculativeConfig, integer
 from .decoder import SpeculativeDecoder, autoregressive_generate
 from .models.hf import HFModel
@@ -140,51 +141,72 @@ def run_bench(target, drafts: dict, prompts: list[list[int]], max_new: int = 64,
     transformers (otherwise `log` says they are left out). `progress`: see run_methods.
     """
     check_settings(prompts, max_new, runs, ks)
-    methods = [Method(Result("autoregressive"), lambda ids, n, e: autoregressive_generate(target, ids, n,
-                                                                                            eos_token_id=e))]
-
-    def speculative(name, draft, draft_name, k, is_adaptive, **trees):
-        config = SpeculativeConfig(num_draft_tokens=k, adaptive=is_adaptive, prompt_lookup=draft_name in lookup,
-                                   **trees)
-        vocab = None if hasattr(draft, "propose") else draft_vocab
-        decoder = SpeculativeDecoder(target, draft, config, draft_vocab=vocab)
-        methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=is_adaptive),
-                              lambda ids, n, e: decoder.generate(ids, n, e), decoder))
-
+    lineup = Lineup(target, lookup, draft_vocab)
     for draft_name, draft in drafts.items():
-        for k in ks:
-            speculative(f"{draft_name} K={k}", draft, draft_name, k, False)
-        if adaptive:
-            speculative(f"{draft_name} adaptive (K<={max(ks)})", draft, draft_name, max(ks), True)
+        lineup.chains(draft_name, draft, ks, adaptive)
     if ngram:
-        for k in sorted({min(ks), max(ks)}):
-            speculative(f"ngram K={k}", NGramProposer(num_draft_tokens=k), "ngram", k, False)
-        if adaptive:
-            speculative(f"ngram adaptive (K<={max(ks)})", NGramProposer(num_draft_tokens=max(ks)), "ngram", max(ks),
-                        True)
+        lineup.ngram_chains(ks, adaptive)
     if tree is not None:
+        lineup.trees(drafts, ks, tree, adaptive)
+    if peers:
+        lineup.peers(drafts, max(ks), log)
+    return run_methods(lineup.methods, prompts, max_new, runs, eos, log, progress)
+
+
+class Lineup:
+    """The methods of one benchmark, the baseline (plain decoding of the target) first."""
+
+    def __init__(self, target, lookup: tuple[str, ...], draft_vocab):
+        self.target, self.lookup, self.draft_vocab = target, lookup, draft_vocab
+        self.methods = [plain_method("autoregressive", target)]
+
+    def add(self, name: str, draft, draft_name: str, k: int, adaptive: bool, **trees) -> None:
+        """A speculative decoder of `draft` at K (the most K with `adaptive`)."""
+        config = SpeculativeConfig(num_draft_tokens=k, adaptive=adaptive, prompt_lookup=draft_name in self.lookup,
+                                   **trees)
+        vocab = None if hasattr(draft, "propose") else self.draft_vocab
+        decoder = SpeculativeDecoder(self.target, draft, config, draft_vocab=vocab)
+        self.methods.append(Method(Result(name, draft=draft_name, k=k, adaptive=adaptive),
+                                   lambda ids, n, e: decoder.generate(ids, n, e), decoder))
+
+    def chains(self, name: str, draft, ks: tuple[int, ...], adaptive: bool) -> None:
+        for k in ks:
+            self.add(f"{name} K={k}", draft, name, k, False)
+        if adaptive:
+            self.add(f"{name} adaptive (K<={max(ks)})", draft, name, max(ks), True)
+
+    def ngram_chains(self, ks: tuple[int, ...], adaptive: bool) -> None:
+        for k in sorted({min(ks), max(ks)}):
+            self.add(f"ngram K={k}", NGramProposer(num_draft_tokens=k), "ngram", k, False)
+        if adaptive:
+            self.add(f"ngram adaptive (K<={max(ks)})", NGramProposer(num_draft_tokens=max(ks)), "ngram", max(ks), True)
+
+    def trees(self, drafts: dict, ks: tuple[int, ...], tree: tuple[int, int], adaptive: bool) -> None:
+        """Per draft (n-gram lookup first): a chain as wide as the tree, the tree, an adaptive tree."""
         top_k, nodes = tree
         shape = dict(tree_top_k=top_k, tree_max_tokens=nodes)
         sources = {"ngram": lambda: NGramProposer(num_draft_tokens=max(ks)),
                    **{name: lambda draft=draft: draft for name, draft in drafts.items()}}
         for name, draft in sources.items():
             chain = NGramProposer(num_draft_tokens=nodes) if name == "ngram" else draft()
-            speculative(f"{name} chain K={nodes}", chain, name, nodes, False)
-            speculative(f"{name} tree top-{top_k} {nodes} nodes", draft(), name, max(ks), False, **shape)
+            self.add(f"{name} chain K={nodes}", chain, name, nodes, False)
+            self.add(f"{name} tree top-{top_k} {nodes} nodes", draft(), name, max(ks), False, **shape)
             if adaptive:
-                speculative(f"{name} tree top-{top_k} adaptive (<={nodes} nodes)", draft(), name, max(ks), True,
-                            **shape)
-    if peers and isinstance(target, HFModel):
-        for name, kwargs in hf_methods(drafts, max(ks)):
-            methods.append(Method(Result(name, draft=kwargs.get("draft_name")), hf_generate(target, kwargs)))
-    elif peers:
+                self.add(f"{name} tree top-{top_k} adaptive (<={nodes} nodes)", draft(), name, max(ks), True, **shape)
+
+    def peers(self, drafts: dict, k_max: int, log) -> None:
+        """transformers' own methods, where the target runs through transformers; else why not."""
+        if isinstance(self.target, HFModel):
+            for name, kwargs in hf_methods(drafts, k_max):
+                self.methods.append(Method(Result(name, draft=kwargs.get("draft_name")),
+                                           hf_generate(self.target, kwargs)))
+            return
         import importlib.util
 
         why = ("transformers is not installed (pip install 'speculative[hf]')"
                if importlib.util.find_spec("transformers") is None else
-               f"they run only on a target loaded through transformers, not on a {type(target).__name__}")
+               f"they run only on a target loaded through transformers, not on a {type(self.target).__name__}")
         log(f"transformers' own methods (prompt lookup, assisted generation) left out: {why}")
-    return run_methods(methods, prompts, max_new, runs, eos, log, progress)
 
 
 def speculative_method(name: str, target, draft, config: SpeculativeConfig, draft_vocab=None,
@@ -222,19 +244,7 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
     speeds = {id(m): [] for m in methods}
     ratios = {id(m): [] for m in methods}
     for round_number in range(runs):  # prompt by prompt, every method in turn: drift hits all alike
-        seconds = {id(m): [] for m in methods}
-        for method in methods:
-            method.outputs = []
-        for index, ids in enumerate(prompts):
-            # Each prompt starts the turn at another method: a method's place in the turn
-            # changes its speed by a few percent (measured: the third of three identical
-            # decoders 1-5% slower than the first in each of 3 rounds), shared out evenly so.
-            start = (round_number * len(prompts) + index) % len(methods)
-            for method in methods[start:] + methods[:start]:
-                bar.set_postfix_str(f"round {round_number + 1}/{runs}, prompt {index + 1}/{len(prompts)}, "
-                                    f"{method.result.name}", refresh=False)
-                seconds[id(method)].append(timed(method, ids, max_new, eos))
-                bar.update()
+        seconds = time_round(methods, prompts, max_new, eos, round_number, runs, bar)
         for method in methods:
             lengths = list(map(len, method.outputs))
             speeds[id(method)].append(sum(lengths) / sum(seconds[id(method)]))
@@ -245,39 +255,69 @@ def run_methods(methods: list[Method], prompts: list[list[int]], max_new: int, r
     bar.close()
     baseline = statistics.median(speeds[id(methods[0])])
     for method in methods:
-        result = method.result
-        result.run_tokens_per_second = [round(v, 2) for v in speeds[id(method)]]
-        result.tokens_per_second = statistics.median(speeds[id(method)])
-        result.speedup = statistics.median(ratios[id(method)])
-        result.prompt_speedups = [  # per prompt: the median over rounds of its same-round ratio
-            round(statistics.median(mine[i] / base[i] for mine, base in zip(method.prompt_speeds,
-                                                                              methods[0].prompt_speeds)), 3)
-            for i in range(len(prompts))]
-        result.median_prompt_speedup = statistics.median(result.prompt_speedups)
-        if method.compare:
-            reference = (method.reference or methods[0]).outputs
-            result.identical = method.outputs == reference
-            result.identical_prompts = sum(a == b for a, b in zip(method.outputs, reference))
-        result.peak_rss_mb = method.peak / 2 ** 20
-        result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
-        result.generated_tokens = sum(map(len, method.outputs))
-        stats = method.decoder.stats if method.decoder is not None else None
-        if stats is not None and stats.total_seconds > 0:
-            result.acceptance_rate = stats.acceptance_rate
-            result.conditional_acceptance = stats.conditional_acceptance
-            result.tokens_per_forward = stats.tokens_per_forward
-            result.acceptance_per_depth = [round(a / d, 3) for a, d in zip(stats.accepted_at, stats.drafted_at) if d]
-            decode = stats.total_seconds - stats.prefill_seconds
-            result.draft_share = stats.draft_forward_seconds / decode
-            result.verify_share = stats.target_forward_seconds / decode
-            result.overhead_share = stats.overhead_seconds / decode
-            # The chain formula: not for trees (whose drafted nodes are not one path).
-            if not result.adaptive and not method.decoder.config.trees and stats.drafted and stats.target_forwards:
-                c = stats.draft_forward_seconds / stats.drafted * baseline
-                v = stats.target_forward_seconds / stats.target_forwards * baseline
-                result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
+        summarize(method, methods[0], speeds[id(method)], ratios[id(method)], baseline, len(prompts))
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
             "max_new_tokens": max_new, "runs": runs, "methods": [m.result.__dict__ for m in methods]}
+
+
+def time_round(methods: list[Method], prompts: list[list[int]], max_new: int, eos, round_number: int, runs: int,
+               bar) -> dict:
+    """One round: every method on every prompt; seconds per method (by id), per prompt."""
+    seconds = {id(m): [] for m in methods}
+    for method in methods:
+        method.outputs = []
+    for index, ids in enumerate(prompts):
+        # Each prompt starts the turn at another method: a method's place in the turn
+        # changes its speed by a few percent (measured: the third of three identical
+        # decoders 1-5% slower than the first in each of 3 rounds), shared out evenly so.
+        start = (round_number * len(prompts) + index) % len(methods)
+        for method in methods[start:] + methods[:start]:
+            bar.set_postfix_str(f"round {round_number + 1}/{runs}, prompt {index + 1}/{len(prompts)}, "
+                                f"{method.result.name}", refresh=False)
+            seconds[id(method)].append(timed(method, ids, max_new, eos))
+            bar.update()
+    return seconds
+
+
+def summarize(method: Method, base: Method, speeds: list[float], ratios: list[float], baseline: float,
+              prompts: int) -> None:
+    """Fill the method's Result: speeds and speedups (medians over rounds), sameness, memory."""
+    result = method.result
+    result.run_tokens_per_second = [round(v, 2) for v in speeds]
+    result.tokens_per_second = statistics.median(speeds)
+    result.speedup = statistics.median(ratios)
+    result.prompt_speedups = [  # per prompt: the median over rounds of its same-round ratio
+        round(statistics.median(mine[i] / theirs[i] for mine, theirs in zip(method.prompt_speeds,
+                                                                              base.prompt_speeds)), 3)
+        for i in range(prompts)]
+    result.median_prompt_speedup = statistics.median(result.prompt_speedups)
+    if method.compare:
+        reference = (method.reference or base).outputs
+        result.identical = method.outputs == reference
+        result.identical_prompts = sum(a == b for a, b in zip(method.outputs, reference))
+    result.peak_rss_mb = method.peak / 2 ** 20
+    result.peak_rss_delta_mb = (method.peak - method.before) / 2 ** 20
+    result.generated_tokens = sum(map(len, method.outputs))
+    stats = method.decoder.stats if method.decoder is not None else None
+    if stats is not None and stats.total_seconds > 0:
+        decoder_figures(result, stats, method.decoder.config, baseline)
+
+
+def decoder_figures(result: Result, stats, config: SpeculativeConfig, baseline: float) -> None:
+    """Acceptance, tokens per forward, where the time went, and the chain formula's prediction."""
+    result.acceptance_rate = stats.acceptance_rate
+    result.conditional_acceptance = stats.conditional_acceptance
+    result.tokens_per_forward = stats.tokens_per_forward
+    result.acceptance_per_depth = [round(a / d, 3) for a, d in zip(stats.accepted_at, stats.drafted_at) if d]
+    decode = stats.total_seconds - stats.prefill_seconds
+    result.draft_share = stats.draft_forward_seconds / decode
+    result.verify_share = stats.target_forward_seconds / decode
+    result.overhead_share = stats.overhead_seconds / decode
+    # The chain formula: not for trees (whose drafted nodes are not one path).
+    if not result.adaptive and not config.trees and stats.drafted and stats.target_forwards:
+        c = stats.draft_forward_seconds / stats.drafted * baseline
+        v = stats.target_forward_seconds / stats.target_forwards * baseline
+        result.predicted_speedup = predicted_speedup(stats.conditional_acceptance, result.k, c, v)
 
 
 def warm_up(methods: list[Method], ids: list[int], max_new: int, eos, progress: bool) -> float:
@@ -343,147 +383,5 @@ def hf_generate(target: HFModel, kwargs: dict):
     return run
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    from .precision import cpu_features
-
-    # Tables from CPUs with and without native bfloat16 differ most: say which this is.
-    native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
-              if flag in cpu_features()]
-    cpu += f" ({', '.join(native)})" if native else ""
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-
-
-def identical_words(method: dict, prompts: int) -> str:
-    """yes, NO (with how many prompts' outputs are equal, where recorded), or - (not compared)."""
-    if method["identical"] is None:
-        return "-"
-    same = method.get("identical_prompts")
-    return "yes" if method["identical"] else "NO" if same is None else f"NO ({same}/{prompts})"
-
-
-# What the columns mean (the command prints it under the table).
-LEGEND = ("speedup: tokens/s over autoregressive, the median of same-round ratios (per prompt: its median over "
-          "prompts); predicted: (1 - a^(K+1)) / ((1 - a)(K c + v)) from the measured a, c and v; alpha: accepted "
-          "/ drafted; judged: accepted / drafted tokens that the target judged; tau: tokens per target forward; "
-          "time %: decoding time drafting / verifying / elsewhere. Adaptive methods plan from measured timings: "
-          "their alpha and tau change from run to run, their greedy output never.")
-
-
-def table(report: dict, width: int = 100, legend: bool = False) -> str:
-    """The results as a table for people (rich) in `width` columns, as plain text (long
-    method names wrap), with the LEGEND under it if asked."""
-    import textwrap
-
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    grid = Table(box=box.SIMPLE_HEAD, padding=(0, 0), pad_edge=False)
-    grid.add_column("method", min_width=16)
-    for column in ("tok/s", "speedup", "per\nprompt", "predicted", "alpha", "judged", "tau", "time %\nd/v/o",
-                   "peak\nMB", "identical"):
-        grid.add_column(column, justify="right", no_wrap=True)
-
-    def fmt(value, pattern="{:.2f}", scale=1.0):
-        return "-" if value is None else pattern.format(value * scale)
-
-    for m in report["methods"]:
-        shares = (m["draft_share"], m["verify_share"], m["overhead_share"])
-        grid.add_row(m["name"], fmt(m["tokens_per_second"], "{:.1f}"), fmt(m["speedup"], "{:.2f}x"),
-                     fmt(m.get("median_prompt_speedup"), "{:.2f}x"), fmt(m["predicted_speedup"], "{:.2f}x"),
-                     fmt(m["acceptance_rate"]), fmt(m.get("conditional_acceptance")),
-                     fmt(m["tokens_per_forward"]),
-                     "-" if None in shares else "/".join(f"{100 * share:.0f}" for share in shares),
-                     fmt(m["peak_rss_mb"], "{:.0f}"), identical_words(m, report["prompts"]))
-    console = Console(width=width, record=True, file=open(os.devnull, "w"))
-    console.print(grid)
-    title = (f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, medians of {report['runs']} "
-             f"rounds ({report['machine']})")
-    lines = [line.rstrip() for line in console.export_text().splitlines()]
-    parts = [textwrap.fill(title, width), "\n".join(lines).strip("\n")] + [textwrap.fill(LEGEND, width)] * legend
-    return "\n".join(parts) + "\n"
-
-
-def plot(report: dict, path) -> None:
-    """Speedup and acceptance against K per draft, with the speedup the formula predicts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_speed, ax_alpha) = plt.subplots(1, 2, figsize=(11, 4))
-    drafts = sorted({m["draft"] for m in report["methods"] if m["k"] is not None and not m["adaptive"]})
-    for draft in drafts:
-        rows = sorted((m for m in report["methods"] if m["draft"] == draft and not m["adaptive"] and m["k"]),
-                      key=lambda m: m["k"])
-        ks = [m["k"] for m in rows]
-        line, = ax_speed.plot(ks, [m["speedup"] for m in rows], "o-", label=f"{draft} measured")
-        if any(m["predicted_speedup"] for m in rows):
-            ax_speed.plot(ks, [m["predicted_speedup"] or float("nan") for m in rows], "--", color=line.get_color(),
-                          label=f"{draft} predicted")
-        ax_alpha.plot(ks, [m["acceptance_rate"] for m in rows], "o-", color=line.get_color(), label=draft)
-        adaptive = [m for m in report["methods"] if m["draft"] == draft and m["adaptive"]]
-        for m in adaptive:
-            ax_speed.axhline(m["speedup"], color=line.get_color(), linestyle=":", label=f"{draft} adaptive")
-    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
-    ax_speed.set(xlabel="K (drafted tokens per step)", ylabel="speedup over autoregressive", title="Speedup")
-    ax_alpha.set(xlabel="K", ylabel="acceptance rate alpha", title="Acceptance", ylim=(0, 1.05))
-    ax_speed.legend(fontsize=7)
-    ax_alpha.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2, 4, 8, 16), max_new: int = 64,
-                     runs: int = 3, k: int = 4, eos=None, prompt_lookup: bool = False, log=print) -> dict:
-    """Total tokens/s across a batch: batched autoregressive against speculative decoding
-    (fixed K and adaptive), per batch size. Rows cycle through the prompts."""
-    rows = []
-    for size in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(size)]
-        entry = {"batch_size": size}
-        methods = {
-            "autoregressive": None,
-            f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(
-                num_draft_tokens=k, adaptive=False, prompt_lookup=prompt_lookup)),
-            "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(
-                num_draft_tokens=k, prompt_lookup=prompt_lookup)),
-        }
-        def run(method, batch=batch):
-            if method is None:
-                return autoregressive_generate(target, batch, max_new, eos_token_id=eos)
-            return method.generate(batch, max_new, eos)
-
-        for method in methods.values():
-            run(method)  # warm-up (adaptive K measures its costs at this batch size here)
-            if method is not None:
-                method.reset_stats()
-        speeds = {name: [] for name in methods}
-        ratios = {name: [] for name in methods}
-        outputs = {}
-        for _ in range(runs):  # rounds: each method's ratio is to the baseline of its round
-            for name, method in methods.items():
-                started = time.perf_counter()
-                outputs[name] = run(method)
-                speeds[name].append(sum(map(len, outputs[name])) / (time.perf_counter() - started))
-                ratios[name].append(speeds[name][-1] / speeds["autoregressive"][-1])
-        for name, method in methods.items():
-            entry[name] = {"tokens_per_second": statistics.median(speeds[name]),
-                           "speedup": statistics.median(ratios[name]),
-                           "identical": outputs[name] == outputs["autoregressive"]}
-            if method is not None:
-                entry[name]["acceptance_rate"] = method.stats.acceptance_rate
-                entry[name]["tokens_per_forward"] = method.stats.tokens_per_forward
-                entry[name]["drafted_per_step"] = method.stats.drafted / max(1, method.stats.target_forwards)
-        log(f"  batch {size}: " + ", ".join(f"{n} {entry[n]['tokens_per_second']:.1f} tok/s "
-                                              f"({entry[n]['speedup']:.2f}x)" for n in methods))
-        rows.append(entry)
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": max_new, "runs": runs,
-            "k": k, "prompt_lookup": prompt_lookup, "rows": rows}
+__all__ = ["Method", "Result", "run_bench", "run_methods", "speculative_method", "plain_method", "hf_generate",
+           "batch_throughput", "machine", "table", "plot", "identical_words", "LEGEND"]

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from .adaptive import AdaptivePolicy
+from .bench_report import machine
 from .config import SpeculativeConfig
 from .costs import cost_book
 from .decoder import SpeculativeDecoder, autoregressive_generate
@@ -199,3 +200,51 @@ def batch_one(decoders: dict, prompts: list[list[int]], max_new: int, runs: int 
     return {name: {"tokens_per_second": statistics.median(speeds[name]),
                    "vs_" + first: statistics.median(a / b for a, b in zip(speeds[name], speeds[first])),
                    "identical": outputs[name] == outputs[first]} for name in decoders}
+
+
+def batch_throughput(target, draft, prompts: list[list[int]], batch_sizes=(1, 2, 4, 8, 16), max_new: int = 64,
+                     runs: int = 3, k: int = 4, eos=None, prompt_lookup: bool = False, log=print) -> dict:
+    """Total tokens/s across a batch: batched autoregressive against speculative decoding
+    (fixed K and adaptive), per batch size. Rows cycle through the prompts."""
+    rows = []
+    for size in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(size)]
+        entry = {"batch_size": size}
+        methods = {
+            "autoregressive": None,
+            f"speculative K={k}": SpeculativeDecoder(target, draft, SpeculativeConfig(
+                num_draft_tokens=k, adaptive=False, prompt_lookup=prompt_lookup)),
+            "speculative adaptive": SpeculativeDecoder(target, draft, SpeculativeConfig(
+                num_draft_tokens=k, prompt_lookup=prompt_lookup)),
+        }
+        def run(method, batch=batch):
+            if method is None:
+                return autoregressive_generate(target, batch, max_new, eos_token_id=eos)
+            return method.generate(batch, max_new, eos)
+
+        for method in methods.values():
+            run(method)  # warm-up (adaptive K measures its costs at this batch size here)
+            if method is not None:
+                method.reset_stats()
+        speeds = {name: [] for name in methods}
+        ratios = {name: [] for name in methods}
+        outputs = {}
+        for _ in range(runs):  # rounds: each method's ratio is to the baseline of its round
+            for name, method in methods.items():
+                started = time.perf_counter()
+                outputs[name] = run(method)
+                speeds[name].append(sum(map(len, outputs[name])) / (time.perf_counter() - started))
+                ratios[name].append(speeds[name][-1] / speeds["autoregressive"][-1])
+        for name, method in methods.items():
+            entry[name] = {"tokens_per_second": statistics.median(speeds[name]),
+                           "speedup": statistics.median(ratios[name]),
+                           "identical": outputs[name] == outputs["autoregressive"]}
+            if method is not None:
+                entry[name]["acceptance_rate"] = method.stats.acceptance_rate
+                entry[name]["tokens_per_forward"] = method.stats.tokens_per_forward
+                entry[name]["drafted_per_step"] = method.stats.drafted / max(1, method.stats.target_forwards)
+        log(f"  batch {size}: " + ", ".join(f"{n} {entry[n]['tokens_per_second']:.1f} tok/s "
+                                              f"({entry[n]['speedup']:.2f}x)" for n in methods))
+        rows.append(entry)
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "max_new_tokens": max_new, "runs": runs,
+            "k": k, "prompt_lookup": prompt_lookup, "rows": rows}

@@ -204,7 +204,7 @@ class EngineArgs:
                      adaptive=args.adaptive, prompt_lookup=args.draft.endswith("+ngram"), min_ngram=args.ngram_min,
                      max_ngram=args.ngram_max, tree_top_k=args.tree_top_k, tree_max_tokens=args.tree_max_tokens)
         if sampling:
-            shape.update(main_temperature=args.temperature, greedy_verification=args.temperature == 0,
+            shape.update(target_temperature=args.temperature, greedy_verification=args.temperature == 0,
                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         return SpeculativeConfig(**shape)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .config import MAX_BATCH_SIZE, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SEED, at_most
+from .rows import SEED_RANGE
 
 # What a target or draft model provides (speculative.models.base), and what a proposer does.
 MODEL_NEEDS = ("vocab_size", "max_seq_len", "device", "new_state", "forward", "rollback", "select_rows")
@@ -195,6 +196,15 @@ def row_seeds(seeds, batch: int, config_seed: int | None) -> list[int | None]:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seeds must be integers in 0..{MAX_SEED}, got {seed!r}")
     return [int(s) for s in seeds]
+
+
+def check_request_seed(seed, name: str = "seed", show=repr) -> None:
+    """The seed of one request (a server request, a batch record): an integer torch's
+    generators take, or None. One check and one text for every front-end; `name` and
+    `show` write the field and the value as the front-end's own messages do."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ValueError(f"{name} must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {show(seed)}")
 
 
 def check_device(device, name: str = "device") -> torch.device:

@@ -4,7 +4,10 @@
 - text_stream.py  tokens to text as it becomes final, stop strings across token boundaries
 - engine_loop.py  the thread that owns the Engine; handlers only send it commands
 - metrics.py      Prometheus counters, gauges and histograms
-- app.py          the FastAPI app: routes, server-sent events, errors
+- reply.py        OpenAI's response, chunk and usage objects of one request
+- http.py         access log, API keys, request bodies, errors as OpenAI's error object
+- handlers.py     the routes, over one request-to-engine function (Routes.generate)
+- app.py          the FastAPI app: wires the routes, errors and access log together
 - command.py      the command's options, and uvicorn with a graceful SIGTERM
 
 Only command.py is imported by the CLI; the rest needs the serve extra

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import MAX_NEW_TOKENS
-from ..rows import SEED_RANGE
+from ..inputs import check_request_seed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",
@@ -207,8 +207,10 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
     if top_k is not None and (not _is_int(top_k) or top_k < -1):
         raise invalid("top_k", f"top_k must be an integer >= 1, or -1 or 0 for no limit, got {top_k!r}")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise invalid("seed", f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed!r}")
+    try:
+        check_request_seed(seed, "seed")
+    except ValueError as error:
+        raise invalid("seed", str(error)) from None
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None:

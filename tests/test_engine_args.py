@@ -1,0 +1,158 @@
+"""EngineArgs: every front-end reads, checks and builds its engine options the same way.
+
+The same options give the same EngineArgs (and so the same engine) on `generate`, `serve`,
+`batch` and `bench`; the same mistake gets the same error line on each; EngineArgs pickles
+(Ray actors rebuild from it) and refuses in Python what the command line refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from speculative.batch import ModelSpec
+from speculative.cli import main
+from speculative.engine_args import LOOKUP_K, MODEL_K, EngineArgs
+from speculative.loading import ASSETS
+
+pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
+                                reason="the shipped models are not in this checkout")
+OPTIONS = ["--target", "default", "--draft", "default-draft+ngram", "-k", "6", "--fixed-k", "--draft-temperature",
+           "0.7", "--ngram-min", "2", "--ngram-max", "5", "--tree-top-k", "2", "--tree-max-tokens", "12", "--dtype",
+           "float32", "--draft-dtype", "float32", "--draft-vocab", "128", "--device", "cpu"]
+# What bench takes of them (its drafts, K and trees are lists of methods, not one engine).
+BENCH_OPTIONS = ["--target", "default", "--dtype", "float32", "--draft-dtype", "float32", "--draft-vocab", "128",
+                 "--device", "cpu", "--tree-max-tokens", "12"]
+MODEL_FIELDS = ("target", "device", "dtype", "draft_dtype", "draft_vocab", "draft_vocab_corpus", "tree_max_tokens")
+
+
+class Stop(Exception):
+    """Raised where a front-end would load its models: the options it would load them with are recorded."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def records(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"id": 1, "prompt": "def f():"}) + "\n")
+    return path
+
+
+def front_ends(tmp_path, records) -> dict:
+    return {"generate": ["generate"], "serve": ["serve", "--port", str(free_port())],
+            "batch": ["batch", str(records), str(tmp_path / "out.jsonl"), "--no-progress"]}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The EngineArgs each front-end builds from (or, for bench, loads its target with)."""
+    seen = []
+
+    def record(args, *_, **__):
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(EngineArgs, "build", record)
+    monkeypatch.setattr(EngineArgs, "load_target", record)
+    return seen
+
+
+def test_the_same_options_give_the_same_engine_on_every_front_end(tmp_path, records, recorded, capsys):
+    for argv in front_ends(tmp_path, records).values():
+        assert main([*argv, *OPTIONS]) == 1  # Stop, one line on stderr
+    assert main(["bench", *BENCH_OPTIONS]) == 1
+    assert capsys.readouterr().err.count("error: Stop") == 4
+    generate, serve, batch, bench = recorded
+    assert generate == serve == EngineArgs(**{k: v for k, v in vars(batch).items() if k != "max_new_tokens"})
+    assert generate.checked and (generate.draft, generate.num_draft_tokens, generate.adaptive) == (
+        "default-draft+ngram", 6, False)
+    assert (generate.ngram_min, generate.ngram_max, generate.tree_top_k, generate.draft_vocab) == (2, 5, 2, 128)
+    assert generate.config(sampling=False) == serve.config(sampling=False) == batch.config(sampling=False)
+    assert {f: getattr(bench, f) for f in MODEL_FIELDS} == {f: getattr(generate, f) for f in MODEL_FIELDS}
+
+
+def test_defaults_resolve_alike_on_every_front_end(tmp_path, records, recorded):
+    for argv in front_ends(tmp_path, records).values():
+        assert main(argv) == 1  # Stop
+    assert {(a.draft, a.num_draft_tokens, a.ngram_min, a.ngram_max, a.adaptive) for a in recorded} == {
+        ("default-draft+ngram", MODEL_K, 1, 4, True)}
+    assert EngineArgs(target="elsewhere").validate().num_draft_tokens == LOOKUP_K  # the partner of others: ngram
+
+
+MISTAKES = [["--draft", "ngram", "--draft-vocab", "8"], ["--draft", "none", "-k", "3"],
+            ["--draft", "default-draft", "--ngram-min", "2"], ["--ngram-min", "5", "--ngram-max", "2"],
+            ["--tree-max-tokens", "8"], ["--draft-vocab-corpus", "x.txt"], ["--device", "meta"],
+            ["--draft", "default-draft", "--draft-vocab", "-1"], ["-k", "0"], ["--tree-top-k", "40"],
+            ["--dtype", "float64"]]
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=" ".join)
+def test_the_same_mistake_gets_the_same_error_on_every_front_end(tmp_path, records, capsys, mistake):
+    lines = {}
+    for name, argv in front_ends(tmp_path, records).items():
+        capsys.readouterr()
+        assert main([*argv, *mistake]) == 2
+        lines[name] = capsys.readouterr().err.replace(f"`speculative {name} --help`", "`speculative COMMAND --help`")
+    assert len(set(lines.values())) == 1, lines
+    assert lines["generate"].startswith("error: ") and lines["generate"].count("\n") == 1
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (["--draft", "ngram", "--draft-vocab", "8"], "error: --draft-vocab does nothing with --draft ngram"),
+    (["--ngram-min", "5", "--ngram-max", "2"], "error: --ngram-min 5 is above --ngram-max 2")])
+def test_the_real_command_refuses_alike_everywhere(tmp_path, records, mistake, words):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv in front_ends(tmp_path, records).values():
+        run = subprocess.run([sys.executable, "-m", "speculative.cli", *argv, *mistake], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert run.returncode == 2 and run.stdout == "" and run.stderr.startswith(words), run.stderr
+        assert run.stderr.count("\n") == 1, run.stderr
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_draft_tokens=0), "--num-draft-tokens (-k) must be an integer in 1..64, got 0"),
+    (dict(tree_top_k=True), "--tree-top-k must be an integer in 1..32, got True"),
+    (dict(max_batch_size=0), "--max-batch-size must be an integer in 1..65536, got 0"),
+    (dict(seed=-1), "--seed must be an integer in 0..18446744073709551615, got -1"),
+    (dict(draft_temperature=float("nan")), "--draft-temperature must be a finite number >= 0, got nan"),
+    (dict(top_p=0.0), "--top-p must be a finite number > 0 and <= 1, got 0.0"),
+    (dict(draft_vocab=-1), "--draft-vocab must be >= 0 (0 = all tokens), got -1"),
+    (dict(draft="none", adaptive=False), "--fixed-k does nothing with --draft none"),
+    (dict(device="tpu"), "--device 'tpu' is not a torch device")])
+def test_python_callers_get_the_command_lines_refusals(changes, message):
+    with pytest.raises(ValueError) as caught:
+        EngineArgs(**changes).validate()
+    assert message in str(caught.value)
+
+
+def test_engine_args_pickle_and_validate_once():
+    spec = ModelSpec(draft="ngram", max_batch_size=3, max_new_tokens=7).validate()
+    again = pickle.loads(pickle.dumps(spec))
+    assert again == spec and again.validate() is again and isinstance(again, ModelSpec)
+    assert (again.num_draft_tokens, again.max_new_tokens, again.checked) == (LOOKUP_K, 7, True)
+    assert replace(again, threads=2).threads == 2
+
+
+def test_build_gives_the_engine_and_the_decoder_the_options_ask_for():
+    built = EngineArgs(draft="ngram", num_draft_tokens=3, max_batch_size=2, temperature=0.5, seed=4).build()
+    engine, decoder = built.engine(), built.decoder()
+    assert engine.max_batch_size == 2 and engine.config.num_draft_tokens == 3 and engine.config.target_temperature == 1.0
+    assert decoder.config.target_temperature == 0.5 and decoder.config.seed == 4 and not decoder.config.greedy_verification
+    assert built.context == built.target.max_seq_len and built.tokenizer.encode("def")
+    plain = EngineArgs(draft="none").build()
+    assert plain.draft is None and plain.context == built.context
+    ids = plain.tokenizer.encode("def add(a, b):")
+    assert built.decoder().generate(ids, 0) == [] and plain.decoder().generate(ids, 4) == EngineArgs(
+        draft="ngram").build().decoder().generate(ids, 4)  # greedy: the same tokens whatever drafts
