@@ -133,10 +133,10 @@ def test_one_stalled_forward_does_not_switch_speculation_off():
     costs.add(5, 0.015, weight=3.0, robust=False)
     policy = AdaptivePolicy(max_k=4, costs={1: costs})
     policy.model.observe([4] * 20, [4] * 20)  # a perfect draft
-    assert policy.plan(1, [0], [False], [4], has_model=True).width == 4
+    assert policy.plan(1, [0], [False], [4], has_model=True).k == 4
     policy.observe_costs(1, 5, 2.0, 4, 0.004)  # the machine stalled for two seconds once
     assert costs.verify(5) < 0.03
-    assert policy.plan(1, [0], [False], [4], has_model=True).width == 4
+    assert policy.plan(1, [0], [False], [4], has_model=True).k == 4
 
 
 class ComputeBoundTarget(TableModel):
@@ -198,11 +198,11 @@ def test_plan_charges_the_verify_width_once_for_the_batch():
     policy.model.observe([4] * 30, [1] * 30)  # the draft model's first token is kept, never the second
     # No lookup drafts: the model's rows pay for the width they need, one token.
     plan = policy.plan(4, [0, 0, 0, 0], [False] * 4, [4] * 4, has_model=True)
-    assert plan.width == 1 and plan.use_model
+    assert plan.k == 1 and plan.use_model
     # Three rows have 4-token lookup drafts: the forward is 5 wide whatever the fourth row
     # does, so the model drafting 4 tokens for it costs only the draft's forwards.
     plan = policy.plan(4, [4, 4, 4, 0], [True, True, True, False], [4] * 4, has_model=True)
-    assert plan.width == 4 and plan.use_model
+    assert plan.k == 4 and plan.use_model
 
 
 def test_identical_words_say_how_many_outputs_differ():
