@@ -274,6 +274,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    mlp_norm = "post_attention_layernorm"  # the norm whose output the MLP reads
+
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -375,6 +377,10 @@ class DecoderOnlyLM(nn.Module):
         state.lengths = state.lengths + list(new.lengths)
 
     # --- forward -------------------------------------------------------------------------
+    def layer_rope(self, index: int, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of layer `index` (one rotary base here; Gemma 3's differ by kind)."""
+        return self._rope(positions, needed)
+
     def _rope(self, positions: torch.Tensor, needed: int, theta: float | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B, 1, T, D) for positions (B, T) below `needed`, with rotary base `theta`

@@ -123,6 +123,8 @@ class Gemma3MLP(MLP):
 class Gemma3Block(nn.Module):
     """Attention and MLP, each between a norm before it and a norm after it, then added."""
 
+    mlp_norm = "pre_feedforward_layernorm"
+
     def __init__(self, cfg: Gemma3Config):
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -199,6 +201,10 @@ class Gemma3LM(DecoderOnlyLM):
             (cos, sin), (slots, seen) = kinds[kind]
             x = layer(x, cos, sin, (write, cache_k, cache_v, slots, seen))
         return x
+
+    def layer_rope(self, index: int, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sliding = self.cfg.layer_types[index] == SLIDING
+        return self._rope(positions, needed, self.cfg.sliding_rope_theta if sliding else None)
 
     def _rope_table(self, theta: float, needed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The table of base `theta` over at least `needed` positions, grown by ROPE_BLOCKs."""

@@ -35,7 +35,7 @@ from .gemma3 import Gemma3Config, Gemma3LM
 
 log = logging.getLogger("speculative")
 
-FORMAT = 1
+FORMAT = 2  # 2: smoothed before quantizing (smoothing.py)
 MANIFEST = "int8-manifest.json"
 # The model class each configuration builds (a subclass's before its base's).
 MODEL_CLASSES = {Gemma3Config: Gemma3LM, DecoderOnlyConfig: DecoderOnlyLM}

@@ -17,6 +17,7 @@ loading a model never holds more than the finished model and one float tensor.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -25,6 +26,9 @@ from torch import nn
 from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import FULL, SLIDING, SLIDING_PATTERN, Gemma3Config
 from .int8 import load_cached, model_class
+from .smoothing import SmoothedReader, calibration_ids
+
+log = logging.getLogger("speculative")
 
 ARCHITECTURES = {"llama": False, "qwen2": True}  # model_type -> biases on q, k and v
 GEMMA3 = "gemma3_text"
@@ -110,7 +114,14 @@ def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, 
     if int8:
         if torch.device(device).type != "cpu":
             raise ValueError(f"int8 models run on CPUs (fbgemm), not on {device}")
-        return load_cached(path, cfg, checkpoint_reader(path, cfg), progress)
+        read = checkpoint_reader(path, cfg)
+        chunks = calibration_ids(path)
+        if chunks is None:
+            log.info("%s: no tokenizer.json, so no calibration text: int8 without smoothing", path)
+        else:
+            with torch.device("meta"):
+                read = SmoothedReader(read, model_class(cfg)(cfg).fuse(), chunks)
+        return load_cached(path, cfg, read, progress)
     read = checkpoint_reader(path, cfg, dtype)
     with torch.device("meta"):
         model = model_class(cfg)(cfg).fuse()
