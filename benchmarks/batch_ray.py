@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from speculative import load_tokenizer
-from speculative.batch import ModelSpec, run_local
-from speculative.bench import machine
+from speculative.entrypoints.batch import ModelSpec, run_local
+from speculative.entrypoints.bench import machine
 
 WAYS = [("process", "speculative"), ("ray", "speculative"), ("process", "plain"), ("ray", "plain")]
 DRAFTS = {"speculative": "default-draft+ngram", "plain": "none"}
@@ -48,7 +48,7 @@ def workload(path: Path, prompts, count: int, max_new: int) -> None:
 
 
 def run_way(where: str, draft: str, records: Path, folder: Path, round_: int, batch: int) -> dict:
-    from speculative.batch_ray import run_ray
+    from speculative.entrypoints.batch_ray import run_ray
 
     out = folder / f"{where}-{draft}-{round_}.jsonl"
     spec = ModelSpec(draft=DRAFTS[draft], max_batch_size=batch)

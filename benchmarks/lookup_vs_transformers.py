@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
-from speculative.loading import _load_transformers, _prepare, resolve
+from speculative.models.loading import _load_transformers, _prepare, resolve
 
 K = 24  # our lookup's default K (cli.LOOKUP_K)
 PEER_K = 10  # transformers' documented prompt_lookup_num_tokens

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from speculative import load_model, load_tokenizer
-from speculative.bench import batch_throughput, machine, plot, run_bench, table
+from speculative.entrypoints.bench import batch_throughput, machine, plot, run_bench, table
 
 import batch_ray
 import lookup_vs_transformers
@@ -113,7 +113,7 @@ def section_default(dtype="auto"):
 
 
 def dtype_words(model) -> str:
-    from speculative.precision import model_dtype
+    from speculative.models.precision import model_dtype
 
     return str(model_dtype(model)).removeprefix("torch.")
 
@@ -128,8 +128,8 @@ def section_mixed():
 
 
 def section_llama():
-    from speculative.export import export_llama
-    from speculative.loading import ASSETS
+    from speculative.entrypoints.export import export_llama
+    from speculative.models.loading import ASSETS
 
     out = ROOT / "runs" / "exported"
     for name, preset in (("verifier", "default"), ("draft", "default-draft")):
@@ -268,7 +268,7 @@ def section_heads():
     """The shipped verifier with its draft head (default-head), against the distilled draft at the
     same K (4 and 8, adaptive up to 8, as in `default`), with and without prompt lookup in
     front; c, alpha per position and tau apart."""
-    from speculative.loading import load_draft
+    from speculative.models.loading import load_draft
 
     target, tokenizer = load_model("default"), load_tokenizer("default")
     # The head as --draft-dtype auto loads it (int8 on CPUs that run it), and in float32.
@@ -288,7 +288,7 @@ def section_heads_128():
     """default-head on the `default` section's own workload (the same prompts, 128 new tokens,
     K up to 8), beside the shipped draft behind lookup that the issue's 2.33x was measured
     with: longer outputs repeat more of themselves, so lookup drafts more than in `heads`."""
-    from speculative.loading import load_draft
+    from speculative.models.loading import load_draft
 
     target, tokenizer = load_model("default"), load_tokenizer("default")
     head, draft = load_draft("default-head"), load_model("default-draft")
@@ -314,8 +314,8 @@ def section_heads_gemma_chat(dtype="auto"):
     where a verify forward of 6 tokens costs about one of 1 (float32 on a Zen 4), a second
     guess at each of the first positions is worth more than a fourth position."""
     from speculative import NGramProposer, SpeculativeConfig
-    from speculative.bench import plain_method, run_methods, speculative_method
-    from speculative.loading import load_draft
+    from speculative.entrypoints.bench import plain_method, run_methods, speculative_method
+    from speculative.models.loading import load_draft
     from speculative.train.sharegpt import sharegpt_data
 
     target, head = load_model("gemma-3-270m", dtype=dtype), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
@@ -342,7 +342,7 @@ def section_heads_gemma_chat(dtype="auto"):
 def section_heads_gemma_grounded(dtype="auto"):
     """The grounded-editing prompts, the head behind lookup, chains of K = 10 and 24 (the
     trees-gemma section's best) and adaptive up to 24."""
-    from speculative.loading import load_draft
+    from speculative.models.loading import load_draft
 
     target, head = load_model("gemma-3-270m", dtype=dtype), load_draft("gemma-3-270m-head")
     grounded = prompts("grounded_editing.jsonl", target.tokenizer)
@@ -357,8 +357,8 @@ def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> d
     """Greedy at fixed K = 4 without lookup: alpha, alpha per position and tau of each model;
     c (a head step against a one-token target forward, batch 1); and the head's training."""
     from speculative import SpeculativeConfig, SpeculativeDecoder
-    from speculative.costs import measure
-    from speculative.loading import resolve
+    from speculative.policy.costs import measure
+    from speculative.models.loading import resolve
     from speculative.models.base import prefill
     from speculative.proposers import HeadProposer
 
@@ -414,7 +414,7 @@ def section_engine(smoke: bool = False):
     adaptive) against plain continuous batching and static batches; then batch-1 generate
     of this code against the decoder before the engine (BEFORE_ENGINE), in the same process."""
     from speculative import SpeculativeConfig
-    from speculative.bench_engine import compare, workload
+    from speculative.entrypoints.bench_engine import compare, workload
 
     count, max_new, sizes, runs = (8, 32, (1, 4), 1) if smoke else (32, 128, (1, 4, 8, 16), 3)
     target, tokenizer, draft = load_model("default"), load_tokenizer("default"), load_model("default-draft")
@@ -433,7 +433,7 @@ def engine_batch_one(target, draft, ids, max_new: int, runs: int) -> dict:
     """Batch-1 `generate` of this code against the decoder before the engine (BEFORE_ENGINE),
     on the same model objects: what differs is the decoding loop, not the kernels."""
     from speculative import SpeculativeConfig, SpeculativeDecoder
-    from speculative.bench_engine import batch_one
+    from speculative.entrypoints.bench_engine import batch_one
 
     before = load_git_package(BEFORE_ENGINE, "speculative_before")
     old = before.SpeculativeDecoder(target, draft, before.SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))
@@ -468,7 +468,7 @@ def section_serve(smoke: bool = False):
                           f"{shipped[1]} tokens", "target": "default", "draft": "default-draft+ngram"},
                  prompts("code_completion.jsonl", tokenizer, max_tokens=512 - shipped[1] - 9), *shipped, None)]
     if not smoke:
-        from speculative.presets import directory
+        from speculative.models.presets import directory
 
         gemma = load_tokenizer("gemma-3-270m")
         texts = [json.loads(line)["prompt"] for line in (HERE / "grounded_editing.jsonl").read_text().splitlines()

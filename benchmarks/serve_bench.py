@@ -54,8 +54,9 @@ class ServerProcess:
     @classmethod
     def ours(cls, args: list[str], threads: int) -> "ServerProcess":
         port = free_port()
-        return cls([sys.executable, "-m", "speculative.cli", "serve", "--port", str(port), "--threads", str(threads),
-                    "--max-batch-size", "16", *args], port, {"OMP_NUM_THREADS": str(threads)})
+        return cls([sys.executable, "-m", "speculative.entrypoints.cli", "serve", "--port", str(port),
+                    "--threads", str(threads), "--max-batch-size", "16", *args],
+                   port, {"OMP_NUM_THREADS": str(threads)})
 
     @classmethod
     def transformers(cls, directory: str, threads: int) -> "ServerProcess":

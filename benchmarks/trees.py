@@ -34,8 +34,8 @@ import time
 
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, SuffixProposer, load_model, \
     load_tokenizer
-from speculative.bench import plain_method, run_bench, run_methods, speculative_method
-from speculative.loading import load_draft
+from speculative.entrypoints.bench import plain_method, run_bench, run_methods, speculative_method
+from speculative.models.loading import load_draft
 
 MAX_NEW = 96
 NODES, DEPTH, TOP_K = 16, 8, 3
@@ -111,7 +111,7 @@ def section(save, prompts, smoke: bool = False):
 
 
 def gemma_section(save, prompts, dtype: str = "auto") -> dict:
-    from speculative.precision import model_dtype
+    from speculative.models.precision import model_dtype
 
     target = load_model("gemma-3-270m", dtype=dtype)
     ids = prompts("grounded_editing.jsonl", target.tokenizer)

@@ -26,10 +26,10 @@ import time
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, load_model
-from speculative.decoder import SpeculativeDecoder
-from speculative.engine import Engine
-from speculative.loading import load_draft
-from speculative.rows import SamplingParams
+from speculative.runtime.decoder import SpeculativeDecoder
+from speculative.runtime.engine import Engine
+from speculative.models.loading import load_draft
+from speculative.core.rows import SamplingParams
 
 MAX_NEW = 128
 THREADS = 2
@@ -129,7 +129,7 @@ def shared(a: list[int], b: list[int]) -> int:
 
 def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
     """Qwen2.5-Coder 1.5B: llama.cpp on the Q4_K_M file against ours on the same weights."""
-    from speculative.presets import QWEN_CODER_15B, assemble, cache_root
+    from speculative.models.presets import QWEN_CODER_15B, assemble, cache_root
 
     gguf = str(assemble(QWEN_CODER_15B, cache_root() / "gguf" / f"{QWEN_CODER_15B.name}.gguf"))
     target = load_model("qwen2.5-coder-1.5b", dtype="int8")

@@ -137,7 +137,7 @@ def library_probes() -> None:
 # --- the command line and batch ----------------------------------------------------------
 
 def speculative(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "speculative.cli"]
+    command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "speculative.entrypoints.cli"]
     return subprocess.run(command + [str(a) for a in args], input=stdin, capture_output=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
 
@@ -248,7 +248,8 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="probe-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "speculative.cli", "serve", "--port", str(self.port), "--threads", "1", *args]
+        command = [sys.executable, "-m", "speculative.entrypoints.cli", "serve", "--port", str(self.port),
+                   "--threads", "1", *args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
         end = time.monotonic() + 300

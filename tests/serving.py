@@ -49,8 +49,8 @@ class Server:
             path = Path(self.log.name).with_suffix(".jinja")
             path.write_text(TEMPLATE)
             extra += ["--chat-template", str(path)]
-        command = [sys.executable, "-m", "speculative.cli", "serve", "--port", str(self.port), "--threads", "1",
-                   *extra]
+        command = [sys.executable, "-m", "speculative.entrypoints.cli", "serve", "--port", str(self.port),
+                   "--threads", "1", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

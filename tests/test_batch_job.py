@@ -11,10 +11,10 @@ import time
 import pytest
 
 from speculative import autoregressive_generate, load_model, load_tokenizer
-from speculative.batch import ModelSpec, request_of, run_local
-from speculative.batch_files import OutputFile
-from speculative.cli import main
-from speculative.loading import ASSETS
+from speculative.entrypoints.batch import ModelSpec, request_of, run_local
+from speculative.entrypoints.batch_files import OutputFile
+from speculative.entrypoints.cli import main
+from speculative.models.loading import ASSETS
 from tests.test_cli_errors import command, environment
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
@@ -165,7 +165,7 @@ def test_parquet_input_gives_what_jsonl_gives(tmp_path):
 
 def test_messages_go_through_the_chat_template(pair):
     transformers = pytest.importorskip("transformers")
-    from speculative.text import TextTokenizer
+    from speculative.models.text import TextTokenizer
 
     backend = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ASSETS / "tokenizer.json"))
     backend.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"

@@ -19,8 +19,8 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from speculative.batch import ModelSpec, run_local  # noqa: E402
-from speculative.batch_ray import run_ray  # noqa: E402
+from speculative.entrypoints.batch import ModelSpec, run_local  # noqa: E402
+from speculative.entrypoints.batch_ray import run_ray  # noqa: E402
 from tests.test_batch_job import alone, pair, read_output, records, write_jsonl  # noqa: E402,F401
 from tests.test_cli_errors import command, environment  # noqa: E402
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
-from speculative.cli import main
-from speculative.bench import identical_words
+from speculative.entrypoints.cli import main
+from speculative.entrypoints.bench import identical_words
 from tests.helpers import TableModel, perturbed, tiny
 
 pytest.importorskip("matplotlib")
@@ -126,7 +126,7 @@ def test_adaptive_k_drafts_the_most_when_the_draft_is_cheap_and_perfect():
 
 
 def test_one_stalled_forward_does_not_switch_speculation_off():
-    from speculative.adaptive import AdaptivePolicy, Costs
+    from speculative.policy.adaptive import AdaptivePolicy, Costs
 
     costs = Costs(v1=0.010, draft=0.001)
     costs.add(2, 0.012, weight=3.0, robust=False)
@@ -188,7 +188,7 @@ def test_adaptive_drafting_stops_at_a_batch_size_where_it_cannot_pay():
 
 
 def test_plan_charges_the_verify_width_once_for_the_batch():
-    from speculative.adaptive import AdaptivePolicy, Costs
+    from speculative.policy.adaptive import AdaptivePolicy, Costs
 
     costs = Costs(v1=0.010, draft=0.0001)
     costs.add(2, 0.011, weight=3.0, robust=False)

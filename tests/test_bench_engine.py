@@ -2,8 +2,8 @@
 the target's own greedy tokens, and the timings are consistent."""
 
 from speculative import SpeculativeConfig, SpeculativeDecoder
-from speculative.bench_engine import Request, batch_one, compare, serve_engine, spread, workload
-from speculative.engine import Engine
+from speculative.entrypoints.bench_engine import Request, batch_one, compare, serve_engine, spread, workload
+from speculative.runtime.engine import Engine
 from tests.helpers import perturbed, tiny
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from speculative import save_model
-from speculative.cli import main
-from speculative.loading import ASSETS
+from speculative.entrypoints.cli import main
+from speculative.models.loading import ASSETS
 from tests.helpers import tiny
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
@@ -28,7 +28,7 @@ THREADS = os.environ.get("SPECULATIVE_TEST_THREADS", "2")
 
 
 def command(*args) -> list:
-    base = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "speculative.cli"]
+    base = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "speculative.entrypoints.cli"]
     return base + [a if isinstance(a, bytes) else str(a) for a in args]
 
 
@@ -197,7 +197,7 @@ def test_ngram_sizes_apply_to_the_default_lookup_and_are_refused_elsewhere(capsy
     refused(speculative("generate", "--ngram-min", "3", "--ngram-max", "2"), "--ngram-min 3 is above --ngram-max 2")
     refused_in_process(capsys, ["generate", "--draft", "default-draft", "--ngram-max", "3"],
                        "--ngram-min/--ngram-max apply to n-gram drafting", "not to --draft default-draft")
-    import speculative.decoder as package
+    import speculative.runtime.decoder as package
 
     configs = []
 
@@ -294,7 +294,7 @@ def test_verbose_shows_the_traceback(tmp_path):
 
 
 def test_failures_exit_1_on_one_line_and_usage_errors_2(capsys):
-    from speculative.cli_checks import run_command
+    from speculative.entrypoints.cli_checks import run_command
 
     class Args:
         verbose = False
@@ -318,7 +318,7 @@ def test_the_headline_command_needs_only_core_dependencies(tmp_path):
     script = textwrap.dedent("""
         import importlib.metadata as metadata, json, sys
         before = set(sys.modules)
-        from speculative.cli import main
+        from speculative.entrypoints.cli import main
         code = main(["generate", "--max-new-tokens", "4"])
         names = {name.split(".")[0] for name in set(sys.modules) - before}
         owners = metadata.packages_distributions()

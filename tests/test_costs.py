@@ -4,8 +4,8 @@ when warm), estimated for other batch sizes, never probed because the batch size
 import pytest
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, SuffixProposer, autoregressive_generate
-from speculative.adaptive import ESTIMATED_STEPS, Costs
-from speculative.costs import REPROBE_AFTER, CostBook, cost_book, estimate
+from speculative.policy.adaptive import ESTIMATED_STEPS, Costs
+from speculative.policy.costs import REPROBE_AFTER, CostBook, cost_book, estimate
 from tests.helpers import perturbed, tiny
 
 

@@ -99,10 +99,10 @@ def test_requests_join_and_leave_on_every_model_and_draft_kind(kind, draft_kind)
 def test_the_adaptive_engine_probes_costs_once_per_pair_of_models(monkeypatch):
     """Batch sizes change every few steps; costs are measured once, at the first step, and a
     second engine on the same models measures nothing (the book's second, warm probe put off)."""
-    import speculative.costs
-    import speculative.phases as phases_module
+    import speculative.policy.costs
+    import speculative.runtime.phases as phases_module
 
-    monkeypatch.setattr(speculative.costs, "REPROBE_AFTER", 10 ** 9)
+    monkeypatch.setattr(speculative.policy.costs, "REPROBE_AFTER", 10 ** 9)
 
     target = tiny("decoder_only", seed=7)
     draft = perturbed(target, 0.05, seed=8)

@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import pytest
 
-from speculative.batch import ModelSpec
-from speculative.cli import main
-from speculative.engine_args import LOOKUP_K, MODEL_K, EngineArgs
-from speculative.loading import ASSETS
+from speculative.entrypoints.batch import ModelSpec
+from speculative.entrypoints.cli import main
+from speculative.entrypoints.engine_args import LOOKUP_K, MODEL_K, EngineArgs
+from speculative.models.loading import ASSETS
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")
@@ -115,8 +115,8 @@ def test_the_same_mistake_gets_the_same_error_on_every_front_end(tmp_path, recor
 def test_the_real_command_refuses_alike_everywhere(tmp_path, records, mistake, words):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for argv in front_ends(tmp_path, records).values():
-        run = subprocess.run([sys.executable, "-m", "speculative.cli", *argv, *mistake], capture_output=True,
-                             text=True, env=env, timeout=300)
+        run = subprocess.run([sys.executable, "-m", "speculative.entrypoints.cli", *argv, *mistake],
+                             capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 2 and run.stdout == "" and run.stderr.startswith(words), run.stderr
         assert run.stderr.count("\n") == 1, run.stderr
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculative import autoregressive_generate
-from speculative.export import export_llama
+from speculative.entrypoints.export import export_llama
 from tests.helpers import tiny
 
 pytest.importorskip("transformers")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from speculative.cli import main
-from speculative.loading import ASSETS
+from speculative.entrypoints.cli import main
+from speculative.models.loading import ASSETS
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model)
-from speculative.kernels import Int8Embedding, Int8Linear, int8_available
+from speculative.models.kernels import Int8Embedding, Int8Linear, int8_available
 from speculative.models.gemma3 import Gemma3LM
 from speculative.models.native import native_config
 from tests.test_int8 import widths_agree

@@ -23,15 +23,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import speculative.engine as engine_module
+import speculative.runtime.engine as engine_module
 from speculative import (DraftModelProposer, Engine, NGramProposer, SamplingParams, SpeculativeConfig,
                          SpeculativeDecoder, SuffixProposer, autoregressive_generate)
-from speculative.config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_NGRAM, MAX_PROMPT_TOKENS,
+from speculative.core.config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_NGRAM, MAX_PROMPT_TOKENS,
                                 MAX_TREE_TOKENS, MAX_TREE_TOP_K)
-from speculative.decoder import GenerationError
-from speculative.inputs import normalize_max_new, normalize_prompts
+from speculative.runtime.decoder import GenerationError
+from speculative.core.inputs import normalize_max_new, normalize_prompts
 from speculative.models.head import build_head
-from speculative.sampling import MIN_TEMPERATURE, NonFiniteLogits, probabilities
+from speculative.core.sampling import MIN_TEMPERATURE, NonFiniteLogits, probabilities
 from tests.helpers import perturbed, tiny
 
 CHAIN = SpeculativeConfig(adaptive=False, num_draft_tokens=3)
@@ -246,8 +246,8 @@ def test_a_model_that_gives_nan_everywhere_is_an_error_never_token_0(models, dra
 def test_the_server_loop_answers_non_finite_logits_with_500_and_keeps_serving(models):
     import queue
 
-    from speculative.serve.engine_loop import EngineLoop, Job
-    from speculative.serve.metrics import Metrics
+    from speculative.entrypoints.serve.engine_loop import EngineLoop, Job
+    from speculative.entrypoints.serve.metrics import Metrics
 
     target = poisoned(models[0], 9)
     loop = EngineLoop(Engine(target, None, max_batch_size=2), lambda ids: str(ids), Metrics(), 2)
@@ -345,8 +345,8 @@ def test_config_temperatures_below_the_threshold_are_greedy(models, reference):
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "speculative.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=Path(__file__).parent.parent)
+    return subprocess.run([sys.executable, "-m", "speculative.entrypoints.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=Path(__file__).parent.parent)
 
 
 def generated_text(done: subprocess.CompletedProcess) -> str:

@@ -33,8 +33,8 @@ import pytest
 import torch
 
 from speculative import save_model
-from speculative.cli import main
-from speculative.loading import ASSETS
+from speculative.entrypoints.cli import main
+from speculative.models.loading import ASSETS
 from tests.helpers import tiny
 from tests.serving import TIMEOUT, Server
 from tests.test_cli_errors import command, environment, error_line, refused, refused_in_process, speculative
@@ -64,7 +64,7 @@ def snapshot(root: Path) -> dict:
 @pytest.fixture
 def llama_export():
     pytest.importorskip("transformers")
-    from speculative.export import export_llama
+    from speculative.entrypoints.export import export_llama
 
     return export_llama
 
@@ -118,7 +118,7 @@ def failing_at(step: str, monkeypatch):
     """Make one step of replacing the destination fail, as a full disk or a race would."""
     import shutil
 
-    from speculative import export
+    from speculative.entrypoints import export
 
     real_rename, real_rmtree = Path.rename, shutil.rmtree
     if step == "moving the old directory aside":
@@ -208,14 +208,14 @@ def test_batch_refuses_an_output_that_is_its_input_before_touching_either(tmp_pa
 
 
 def test_batch_refuses_the_same_file_in_the_library_and_on_ray_too(tmp_path):
-    from speculative.batch import ModelSpec, run_local
+    from speculative.entrypoints.batch import ModelSpec, run_local
 
     path = make_input(tmp_path)
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match="is INPUT"):
         run_local(path, path, ModelSpec(), show_progress=False)
     pytest.importorskip("ray")
-    from speculative.batch_ray import run_ray
+    from speculative.entrypoints.batch_ray import run_ray
 
     with pytest.raises(ValueError, match="is INPUT"):
         run_ray(path, path, ModelSpec(), show_progress=False)
@@ -264,7 +264,7 @@ def test_batch_input_lines_that_no_output_could_hold_are_refused_with_their_line
 
 
 def test_batch_record_errors_name_the_record_fields_not_the_engine_ones(tmp_path):
-    from speculative.batch import ModelSpec, run_local
+    from speculative.entrypoints.batch import ModelSpec, run_local
 
     rows = [{"id": "huge", "prompt": "x", "max_tokens": 10 ** 12},
             {"id": "long", "prompt": "x = 1\n" * 200, "max_tokens": 400},
@@ -340,12 +340,12 @@ def test_a_closed_stdout_exits_141_quietly(args):
 
 
 def test_ctrl_c_before_the_command_runs_exits_130_on_one_line(capsys, monkeypatch):
-    from speculative.train import head_command
+    from speculative.entrypoints import train_head_command
 
     def interrupted(sub):
         raise KeyboardInterrupt  # as Ctrl-C while main imports the commands' modules
 
-    monkeypatch.setattr(head_command, "add_train_head", interrupted)
+    monkeypatch.setattr(train_head_command, "add_train_head", interrupted)
     assert main(["generate"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 
@@ -397,7 +397,7 @@ def test_bad_addresses_and_keys_are_refused_before_loading_a_model(capsys, monke
     ("{% if false %}x{% endif %}", ["renders a chat of one user turn as no tokens"]),
 ])
 def test_a_broken_chat_template_is_refused_at_start_up(tmp_path, capsys, monkeypatch, template, words):
-    from speculative.serve import command
+    from speculative.entrypoints.serve import command
 
     monkeypatch.setattr(command, "warm_up", lambda *a: pytest.fail("the server started with a broken template"))
     (tmp_path / "t.jinja").write_text(template)
@@ -673,7 +673,7 @@ def test_a_prompt_line_with_a_setting_it_does_not_take_is_refused_naming_it(tmp_
     """Batch records and the server take these per prompt; a prompt line would be generated
     without them, so it is refused (other keys, such as labels, are still ignored)."""
     import speculative as package
-    from speculative.prompt_files import NOT_LINE_SETTINGS
+    from speculative.entrypoints.prompt_files import NOT_LINE_SETTINGS
 
     monkeypatch.setattr(package, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     path = tmp_path / "p.jsonl"
@@ -687,7 +687,7 @@ def test_a_prompt_line_with_a_setting_it_does_not_take_is_refused_naming_it(tmp_
                                  "stop_token_ids"])
 def test_a_record_with_a_setting_records_do_not_take_gets_an_error_naming_it(key):
     from speculative import load_tokenizer
-    from speculative.batch import NOT_RECORD_SETTINGS, ModelSpec, request_of
+    from speculative.entrypoints.batch import NOT_RECORD_SETTINGS, ModelSpec, request_of
 
     tokenizer = load_tokenizer("default")
     with pytest.raises(ValueError, match=f'"{key}" is not a field of a record') as caught:

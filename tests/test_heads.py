@@ -92,7 +92,7 @@ def test_head_trees_are_greedy_exact_in_ragged_batches(trained, lookup):
 def test_head_tree_nodes_read_their_parents_features(trained):
     """Each node of a head's tree is read with its parent's output feature: its logits equal
     those after its path drafted as a chain (each token read with the head's feature before it)."""
-    from speculative.sampling import GREEDY
+    from speculative.core.sampling import GREEDY
 
     target, head, _, _ = trained
     prompt = prompts(1, seed=6, low=8, high=9)[0]
@@ -180,8 +180,8 @@ def test_an_int8_head_drafts_nearly_as_the_float_one_and_changes_no_output(train
     """int8 linear layers (the head's and its copy of the target's output layer): the same
     greedy output as the target's, trees and lookup included, and proposals close to the
     float head's (its acceptance within a few points); for drafting only, not saving."""
-    from speculative.loading import load_draft
-    from speculative.kernels import Int8Linear
+    from speculative.models.loading import load_draft
+    from speculative.models.kernels import Int8Linear
 
     target, head, _, _ = trained
     save_head(head, tmp_path / "h")
@@ -289,7 +289,7 @@ def test_load_model_reads_a_head_directory(trained, tmp_path):
 
 
 def test_train_head_refuses_bad_input(tmp_path, capsys):
-    from speculative.cli import main
+    from speculative.entrypoints.cli import main
 
     cases = [(["--data", str(tmp_path / "missing.jsonl")], "neither 'stdlib', 'sharegpt' nor a JSON-lines file"),
              (["--max-minutes", "0"], "--max-minutes"),
@@ -311,8 +311,8 @@ def test_data_tokens_caps_the_training_stream(tmp_path, capsys):
     """--data-tokens bounds what is read for training, not the held-out prompts (every 20th
     record, read to the end of the file)."""
     from speculative import load_tokenizer
-    from speculative.cli import main
-    from speculative.train.head_command import read_data
+    from speculative.entrypoints.cli import main
+    from speculative.entrypoints.train_head_command import read_data
 
     tokenizer = load_tokenizer("default")
     records = [{"text": f"def f{i}(x):\n    return x * {i}\n"} for i in range(1, 61)]
@@ -328,7 +328,7 @@ def test_data_tokens_caps_the_training_stream(tmp_path, capsys):
 def test_training_refuses_a_packed_target(tmp_path):
     """Packed (inference-only) linear layers would pass the head no gradient through the
     target's output layer: the loss would never fall. Training says so instead."""
-    from speculative.kernels import pack_linears, packing_available
+    from speculative.models.kernels import pack_linears, packing_available
     from speculative.train.head import train_head
 
     if not packing_available(torch.float32, "cpu"):
@@ -370,7 +370,7 @@ def test_training_a_head_for_a_transformers_target_lowers_its_loss(tmp_path):
 
 
 def test_ship_only_for_the_default_target(capsys):
-    from speculative.cli import main
+    from speculative.entrypoints.cli import main
 
     assert main(["train-head", "--target", "default-draft", "--ship"]) == 2
     assert "--ship installs the preset head of a target that has one (default, gemma-3-270m), not of default-draft" \
@@ -436,8 +436,8 @@ def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
     """`speculative batch --draft DIR+ngram` (and serve, which builds its engine the same way)
     binds a head directory to the target; every record equals its prompt decoded alone."""
     from speculative import load_model, load_tokenizer
-    from speculative.batch import ModelSpec, run_local
-    from speculative.loading import ASSETS
+    from speculative.entrypoints.batch import ModelSpec, run_local
+    from speculative.models.loading import ASSETS
 
     if not (ASSETS / "verifier" / "config.json").is_file():
         pytest.skip("the shipped models are not in this checkout")
@@ -458,7 +458,7 @@ def test_a_batch_job_drafts_with_a_head_directory(tmp_path):
 
 
 def test_a_missing_default_head_says_how_to_make_it(monkeypatch, tmp_path):
-    import speculative.loading as loading
+    import speculative.models.loading as loading
 
     assert loading.resolve("default-head") == loading.ASSETS / "head"  # shipped
     for name, command in (("default-head", "train-head --target default --data stdlib --ship"),

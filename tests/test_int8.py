@@ -18,8 +18,8 @@ import torch
 
 from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
                          save_model)
-from speculative.kernels import Int8Embedding, Int8Linear, int8_available
-from speculative.precision import resolve_precision
+from speculative.models.kernels import Int8Embedding, Int8Linear, int8_available
+from speculative.models.precision import resolve_precision
 from tests.helpers import perturbed, sharpen, tiny
 from tests.test_lossless import DRAWS, LENGTH, P_MIN, PROMPT, VOCAB, draw, exact_joint, g_test_pvalue
 
@@ -122,7 +122,7 @@ def test_int8_models_give_each_token_the_bits_of_a_forward_of_its_own(tmp_path, 
 
 def test_an_int8_transformers_model_is_width_invariant_too():
     transformers = pytest.importorskip("transformers")
-    from speculative.kernels import quantize_linears
+    from speculative.models.kernels import quantize_linears
     from speculative.models.hf import HFModel
 
     torch.manual_seed(4)
@@ -242,7 +242,7 @@ def test_auto_picks_int8_where_the_cpu_multiplies_8_bit_integers_and_has_no_amx(
 
 @pytest.mark.slow  # end to end (a process quantizing the target); int8 exactness is tested in-process above
 def test_generate_runs_an_int8_target_and_says_so():
-    run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "int8", "--max-new-tokens",
-                          "24", "--verbose"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "speculative.entrypoints.cli", "generate", "--dtype", "int8",
+                          "--max-new-tokens", "24", "--verbose"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "int8, as asked" in run.stderr and "tokens/s" in run.stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from speculative.sampling import probabilities
+from speculative.core.sampling import probabilities
 from tests.helpers import TableModel, sharpen, tiny
 
 # Tests marked slow take a minute or more each on 2 cores (`make test-all` runs them); the quick

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, accept_reject, autoregressive_generate
-from speculative.adaptive import Plan
+from speculative.policy.adaptive import Plan
 from tests.helpers import perturbed, tiny
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig
-from speculative.adaptive import AdaptivePolicy, Costs
-from speculative.engine import Engine
-from speculative.rows import SamplingParams
+from speculative.policy.adaptive import AdaptivePolicy, Costs
+from speculative.runtime.engine import Engine
+from speculative.core.rows import SamplingParams
 from tests.helpers import TableModel
 
 VOCAB = 32
@@ -177,7 +177,7 @@ def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept
     tokens whose positions are each kept with probability `kept`: where width is nearly free
     the policy verifies nearly all of it, where each token costs half a forward only a few,
     and drafting stays off where nothing drafted is kept."""
-    from speculative.costs import CostBook
+    from speculative.policy.costs import CostBook
     from speculative.proposers.base import Proposal
 
     policy = AdaptivePolicy(max_k=24, book=CostBook(probe=False))

@@ -15,9 +15,9 @@ import torch
 
 from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
                          save_model)
-from speculative.kernels import PackedLinear, pack_linears, packing_available
+from speculative.models.kernels import PackedLinear, pack_linears, packing_available
 from speculative.models import to_dtype
-from speculative.precision import first_divergence, resolve_dtype, tie_tolerance
+from speculative.models.precision import first_divergence, resolve_dtype, tie_tolerance
 from tests.helpers import perturbed, tiny
 
 BF16 = frozenset({"avx512_bf16", "avx512f"})
@@ -54,7 +54,7 @@ def test_float16_on_a_cpu_without_it_is_refused():
 
 
 def test_cli_refuses_an_unknown_dtype():
-    run = subprocess.run([sys.executable, "-m", "speculative.cli", "generate", "--dtype", "float64"],
+    run = subprocess.run([sys.executable, "-m", "speculative.entrypoints.cli", "generate", "--dtype", "float64"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "invalid choice: 'float64'" in run.stderr and "Traceback" not in run.stderr
 
@@ -205,7 +205,7 @@ def test_bfloat16_sampling_is_lossless():
 
 
 def test_int8_linear_approximates_linear():
-    from speculative.kernels import Int8Linear, int8_available
+    from speculative.models.kernels import Int8Linear, int8_available
 
     if not int8_available("cpu"):
         pytest.skip("this torch build has no fbgemm")
@@ -218,8 +218,8 @@ def test_int8_linear_approximates_linear():
 def test_int8_draft_changes_proposals_never_the_output(tmp_path, monkeypatch):
     """An int8 draft, with and without a reduced vocabulary: the output is the float32
     target's own; and load_draft picks int8 only for drafts that are not small."""
-    import speculative.loading as loading
-    from speculative.kernels import Int8Linear, int8_available
+    import speculative.models.loading as loading
+    from speculative.models.kernels import Int8Linear, int8_available
 
     if not int8_available("cpu"):
         pytest.skip("this torch build has no fbgemm")
@@ -239,7 +239,7 @@ def test_int8_draft_changes_proposals_never_the_output(tmp_path, monkeypatch):
 
 
 def test_int8_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
-    import speculative.loading as loading
+    import speculative.models.loading as loading
 
     save_model(tiny("decoder_only", seed=5), tmp_path / "d")
     monkeypatch.setattr(loading, "int8_available", lambda device: False)  # a build or device without fbgemm

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from speculative import presets
+from speculative.models import presets
 
 PARTS = [b"GGUF" + bytes(range(7)) * 9, bytes(range(50, 120)), b"tail of the file"]
 
@@ -71,7 +71,7 @@ def test_a_missing_extra_names_the_pip_command(split, monkeypatch):
     missing = presets.ChunkedGGUF("fake-model", spec.modules + ("fakechunk_part9",), spec.size, spec.sha256, "fake")
     with pytest.raises(ValueError, match="needs the package fakechunk-part9 .*pip install 'speculative\\[fake\\]'"):
         missing.chunk_paths()
-    from speculative.loading import load_model
+    from speculative.models.loading import load_model
 
     monkeypatch.setitem(presets.CHUNKED, "fake-model", missing)
     with pytest.raises(ValueError, match="preset 'fake-model' needs the package fakechunk-part9"):

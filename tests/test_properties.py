@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
-from speculative.inputs import normalize_prompts
+from speculative.core.inputs import normalize_prompts
 from tests.helpers import perturbed, tiny
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from speculative import Engine, SamplingParams, SpeculativeConfig, autoregressive_generate, load_model, load_tokenizer
-from speculative.loading import ASSETS, load_draft
+from speculative.models.loading import ASSETS, load_draft
 from speculative.proposers import as_proposer
-from speculative.serve.text_stream import TextStream
+from speculative.entrypoints.serve.text_stream import TextStream
 from tests.serving import KEY, TIMEOUT, Server, chat_text
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
@@ -496,7 +496,7 @@ def test_sigterm_while_streaming():
     (["--max-batch-size", "0"], ["--max-batch-size", "in 1..65536"]),
 ])
 def test_bad_options_are_one_line(args, words, capsys):
-    from speculative.cli import main
+    from speculative.entrypoints.cli import main
 
     assert main(["serve", *args]) == 2
     line = capsys.readouterr().err
@@ -512,8 +512,8 @@ def test_missing_extra_is_named():
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "blocker") + os.pathsep
            + os.environ.get("PYTHONPATH", ""), "SPECULATIVE_TEST_BLOCK": "fastapi"}
-    result = subprocess.run([sys.executable, "-m", "speculative.cli", "serve"], capture_output=True, env=env,
-                            timeout=TIMEOUT)
+    result = subprocess.run([sys.executable, "-m", "speculative.entrypoints.cli", "serve"], capture_output=True,
+                            env=env, timeout=TIMEOUT)
     assert result.returncode == 2
     assert result.stderr.decode().strip() == ("error: speculative serve needs fastapi, which is not installed: "
                                               "pip install 'speculative[serve]'")

@@ -8,8 +8,8 @@ import queue
 import time
 
 from speculative import Engine, SamplingParams, autoregressive_generate
-from speculative.serve.engine_loop import EngineLoop, Job
-from speculative.serve.metrics import Metrics
+from speculative.entrypoints.serve.engine_loop import EngineLoop, Job
+from speculative.entrypoints.serve.metrics import Metrics
 from tests.helpers import tiny
 
 WAIT = 300  # seconds for any one event: a guard against a hang, not a timing

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from speculative.loading import load_tokenizer
+from speculative.models.loading import load_tokenizer
 from speculative.train.sharegpt import held_out, messages, records, sharegpt_data
 
 
@@ -65,8 +65,8 @@ def test_the_split_holds_out_by_id_and_renders_plain_transcripts_without_a_templ
 
 def test_conversations_go_through_the_chat_template():
     transformers = pytest.importorskip("transformers")
-    from speculative.loading import ASSETS
-    from speculative.text import TextTokenizer
+    from speculative.models.loading import ASSETS
+    from speculative.models.text import TextTokenizer
 
     backend = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ASSETS / "tokenizer.json"))
     backend.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model, load_tokenizer
-from speculative.cli import main
-from speculative.loading import ASSETS
+from speculative.entrypoints.cli import main
+from speculative.models.loading import ASSETS
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                 reason="the shipped models are not in this checkout")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculative import load_model
-from speculative.kernels import int8_available
+from speculative.models.kernels import int8_available
 from speculative.models.int8 import quantize_model
 from speculative.models.smoothing import CHUNK, SmoothedReader, calibration_ids
 from tests.helpers import tiny

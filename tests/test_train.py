@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speculative import build_model, load_model
-from speculative.cli import main
+from speculative.entrypoints.cli import main
 from speculative.train import loop
 from speculative.train.loop import PhaseConfig, train_phase
 

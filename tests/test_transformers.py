@@ -157,7 +157,7 @@ def test_loading_errors(tmp_path, monkeypatch, bad, error, message):
 def test_a_model_directory_without_a_tokenizer_loads(tmp_path, capsys):
     """Token ids in and out need no tokenizer; text needs one, and says so when it is missing."""
     from speculative import load_tokenizer
-    from speculative.cli import main
+    from speculative.entrypoints.cli import main
 
     model = llama(7)
     model.save_pretrained(tmp_path / "bare")  # config.json and safetensors, no tokenizer files
@@ -186,7 +186,7 @@ def test_gemma_3_270m_greedy_equals_generate():
     """The real model on the built-in decoder (models/gemma3.py), a prompt longer than its
     512-token sliding window, 40 new tokens: transformers' own generate() on the same files."""
     from speculative import load_tokenizer
-    from speculative.loading import resolve
+    from speculative.models.loading import resolve
     from speculative.models.gemma3 import Gemma3LM
     from transformers import AutoModelForCausalLM
 

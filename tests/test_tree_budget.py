@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, autoregressive_generate
-from speculative.adaptive import AdaptivePolicy, Costs
-from speculative.tree_budget import LOOKUP, MODEL, KeptByBudget, TreeBudget
+from speculative.policy.adaptive import AdaptivePolicy, Costs
+from speculative.policy.tree_budget import LOOKUP, MODEL, KeptByBudget, TreeBudget
 from tests.helpers import perturbed, sharpen, tiny
 from tests.test_policy import Clock
 from tests.test_trees import repetitive_prompts

@@ -8,7 +8,7 @@ import torch
 from speculative import Engine, NGramProposer, SamplingParams, SpeculativeConfig, SpeculativeDecoder, \
     autoregressive_generate
 from speculative.models.base import prefill
-from speculative.tree import Tree, from_branches, tree_inputs
+from speculative.core.tree import Tree, from_branches, tree_inputs
 from tests.helpers import perturbed, sharpen, tiny
 
 torch.set_num_threads(1)
@@ -112,7 +112,7 @@ def off_first_branch(tree, path):
 @pytest.fixture
 def kept_paths(monkeypatch):
     """Every (tree, accepted path) the engine verifies."""
-    import speculative.phases as phases_module
+    import speculative.runtime.phases as phases_module
 
     seen, verify = [], phases_module.tree_verify_rows
 
@@ -198,8 +198,8 @@ def test_chains_stay_the_default():
 
 # --- sampling: G-tests ---------------------------------------------------------------------
 
-from speculative.sampling import probabilities  # noqa: E402
-from speculative.verify import tree_rejection_walk  # noqa: E402
+from speculative.core.sampling import probabilities  # noqa: E402
+from speculative.core.verify import tree_rejection_walk  # noqa: E402
 from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, exact_joint, g_test_pvalue  # noqa: E402
 
 V = 6
@@ -364,7 +364,7 @@ def test_suffix_trees_are_greedy_exact_in_ragged_batches():
 
 
 def test_the_command_line_drafts_trees(capsys):
-    from speculative.cli import main
+    from speculative.entrypoints.cli import main
 
     for draft in ("ngram", "suffix", "default-draft+ngram", "default-draft", "default-head"):
         assert main(["generate", "--draft", draft, "--tree-top-k", "3", "--tree-max-tokens", "8",
@@ -373,7 +373,7 @@ def test_the_command_line_drafts_trees(capsys):
 
 
 def test_bench_compares_trees_with_chains_of_the_same_width():
-    from speculative.bench import run_bench
+    from speculative.entrypoints.bench import run_bench
 
     target = tiny("decoder_only", seed=0)
     draft = perturbed(target, 0.3, seed=1)
@@ -412,7 +412,7 @@ def test_a_draft_scores_each_tree_node_as_its_path_read_alone(kind):
     """A draft model reads its tree over several forwards, each layer masked to the nodes
     read before: every node's logits equal those of its path appended to the prompt alone."""
     from speculative.proposers import DraftModelProposer
-    from speculative.sampling import GREEDY
+    from speculative.core.sampling import GREEDY
 
     model = MODELS[kind]()
     proposer = DraftModelProposer(model).fork()

@@ -5,8 +5,8 @@ import torch
 
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.proposers.draft_model import DraftModelProposer
-from speculative.sampling import Sampler
-from speculative.vocab import corpus_vocab, frequent_tokens
+from speculative.core.sampling import Sampler
+from speculative.train.vocab import corpus_vocab, frequent_tokens
 from tests.helpers import TableModel, perturbed, sharpen, tiny
 
 

@@ -1,17 +1,25 @@
 """speculative: faster language-model generation by speculative decoding, with no change in output."""
 
-from .config import SpeculativeConfig
-from .decoder import SpeculativeDecoder, autoregressive_generate
-from .engine import Engine
+from . import _aliases
+from .core.config import SpeculativeConfig
+from .core.rows import RequestOutput, SamplingParams
+from .core.stats import DecodeStats, RequestStats
+from .core.verify import accept_reject, greedy_verify, rejection_verify
 from .models import build_model, build_pair, output_size, save_model
 from .models.base import LanguageModel
+from .models.loading import load_model, load_tokenizer
 from .proposers import DraftModelProposer, NGramProposer, Proposal, Proposer, SuffixProposer
-from .rows import RequestOutput, SamplingParams
-from .stats import DecodeStats, RequestStats
-from .verify import accept_reject, greedy_verify, rejection_verify
+from .runtime.decoder import SpeculativeDecoder, autoregressive_generate
+from .runtime.engine import Engine
 
 __version__ = "0.1.0"
-from .loading import load_model, load_tokenizer
+
+# Old module paths (speculative.engine, speculative.config, ...) for one release: see _aliases.
+_aliases.install()
+
+
+def __getattr__(name: str):
+    return _aliases.old_submodule(__name__, name)
 
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder", "autoregressive_generate", "Engine", "SamplingParams",

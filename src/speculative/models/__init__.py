@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import PackedLinear
 from .base import LanguageModel, load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import Gemma3Config, Gemma3LM
+from .kernels import PackedLinear
 from .s4d import S4DConfig, S4DLM
 
 MODEL_TYPES = {"decoder_only": (DecoderOnlyConfig, DecoderOnlyLM), "s4d": (S4DConfig, S4DLM)}

@@ -19,7 +19,7 @@ The engine uses these operations:
   they take (default: each row's next positions), so that a token tree can give siblings
   one depth; a recurrent model only accepts the default. `tree` (B, T, T) bool, where a
   model verifies token trees: which of this forward's tokens each token sees (its
-  ancestors and itself, `speculative.tree`); every token still sees its row's earlier slots.
+  ancestors and itself, `speculative.core.tree`); every token still sees its row's earlier slots.
 - `compact(state, starts, kept)` (models that verify trees): after a tree forward that
   started row b at slot starts[b], keep only the slots starts[b] + kept[b][j], moved to
   starts[b] + j (the accepted path), and end the row there. A model without it drafts
@@ -45,7 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ..kernels import Int8Linear, PackedLinear
+from .kernels import Int8Linear, PackedLinear
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels import Int8Linear, quantize_linears
+from .kernels import Int8Linear, quantize_linears
 from .base import OutputHead, load_checked
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM, KVState
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import Gemma3Config, Gemma3LM
+from .kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
 
 log = logging.getLogger("speculative")
 
@@ -61,7 +61,7 @@ def quantize_model(model: nn.Module) -> int:
 
 def cache_directory(path: Path) -> Path:
     """Where the int8 weights of the checkpoint at `path` are cached."""
-    from ..presets import cache_root
+    from .presets import cache_root
 
     digest = hashlib.sha256(f"format {FORMAT}\n{path.resolve()}\n".encode())
     for file in sorted([*path.glob("*.safetensors"), path / "config.json"]):

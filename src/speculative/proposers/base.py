@@ -53,7 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..models.base import pad
-from ..sampling import Sampler
+from ..core.sampling import Sampler
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import copy
 
-from ..config import MAX_DRAFT_TOKENS, MAX_NGRAM, at_most
+from ..core.config import MAX_DRAFT_TOKENS, MAX_NGRAM, at_most
 from ..models.base import pad
-from ..tree import Tree, from_branches
+from ..core.tree import Tree, from_branches
 from .base import Proposal
 
 # Earlier occurrences of a suffix that contribute branches to a tree (the most recent ones).

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..models.base import pad
-from ..tree import Tree, from_branches
+from ..core.tree import Tree, from_branches
 from .base import Proposal
 from .ngram import MAX_BRANCHES, NGramProposer
 

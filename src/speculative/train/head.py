@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import SpeculativeConfig
-from ..decoder import SpeculativeDecoder, autoregressive_generate
-from ..kernels import PackedLinear
+from ..core.config import SpeculativeConfig
+from ..runtime.decoder import SpeculativeDecoder, autoregressive_generate
+from ..models.kernels import PackedLinear
 from ..models.head import DraftHead, build_head, load_head, save_head
-from ..precision import cpu_has_fast
+from ..models.precision import cpu_has_fast
 from .loop import PhaseConfig, train_phase
 
 # Weight of unrolled step j in the loss: later steps matter less (they are reached less often).
@@ -144,7 +144,7 @@ def train_head(target, data: torch.Tensor, out: Path, cfg: HeadTraining, target_
 def warm_start(target, target_name: str, cfg: HeadTraining) -> DraftHead:
     """The head at cfg.init, refused unless trained for this target and of the shape asked
     for; it keeps its own vocabulary (its output rows are what it learned)."""
-    from ..loading import resolve
+    from ..models.loading import resolve
 
     head = load_head(resolve(str(cfg.init)), target.device)
     head.check_target(target)

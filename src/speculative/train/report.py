@@ -8,8 +8,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..config import SpeculativeConfig
-from ..decoder import SpeculativeDecoder, autoregressive_generate
+from ..core.config import SpeculativeConfig
+from ..runtime.decoder import SpeculativeDecoder, autoregressive_generate
 
 
 @torch.inference_mode()

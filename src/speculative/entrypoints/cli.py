@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.config import MAX_BATCH_SIZE, MAX_NEW_TOKENS
 from .cli_checks import EXIT_STATUSES, INTERRUPTED, OneLineParser, argument_text, integer, number, run_command
-from .config import MAX_BATCH_SIZE, MAX_NEW_TOKENS
 from .engine_args import EngineArgs
 
 # No newline at the end: the tokenizer merges a newline with the next line's indentation.
@@ -105,7 +105,7 @@ def stream_text(tokens, tokenizer) -> None:
 def generate_batches(decoder, tokenizer, lines, args, eos, models) -> int:
     """Decode the prompts `--batch-size` at a time; print JSON lines in input order. Every
     prompt is checked (length, seed) before the first one is generated."""
-    from .inputs import check_length, row_seeds
+    from ..core.inputs import check_length, row_seeds
 
     names = [f"{args.prompt_file} line {line.line}" for line in lines]
     ids = [(tokenizer.chat if args.chat or line.chat else tokenizer.encode)(line.prompt) for line in lines]
@@ -161,8 +161,8 @@ def parse_size(text: str, names: tuple[str, str, str]) -> dict:
 def run_train(args) -> int:
     import shutil
 
-    from .loading import ASSETS
-    from .train.pipeline import TrainOptions, run_training
+    from ..models.loading import ASSETS
+    from ..train.pipeline import TrainOptions, run_training
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file; give a directory (it is created when missing)")
@@ -197,9 +197,9 @@ def add_export(sub) -> None:
 
 
 def run_export(args) -> int:
-    from . import load_model
+    from ..models.loading import load_model
+    from ..models.loading import resolve
     from .export import check_destination, check_transformers, export_llama
-    from .loading import resolve
 
     check_transformers()
     path = resolve(args.model)
@@ -232,7 +232,7 @@ def parse(argv: list[str] | None):
     from .batch_command import add_batch
     from .bench_command import add_bench
     from .serve.command import add_serve
-    from .train.head_command import add_train_head
+    from .train_head_command import add_train_head
 
     for add in (add_generate, add_serve, add_batch, add_bench, add_train, add_train_head, add_export):
         add(sub)

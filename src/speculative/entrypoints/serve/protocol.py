@@ -20,8 +20,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..config import MAX_NEW_TOKENS
-from ..inputs import check_request_seed
+from ...core.config import MAX_NEW_TOKENS
+from ...core.inputs import check_request_seed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",

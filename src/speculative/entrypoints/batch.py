@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Iterator
 
-from .config import MAX_NEW_TOKENS
+from ..core.config import MAX_NEW_TOKENS
+from ..core.inputs import check_request_seed
+from ..core.rows import SamplingParams
 from .engine_args import EngineArgs
-from .inputs import check_request_seed
-from .rows import SamplingParams
 
 # Optional fields of a record; other keys are carried by datasets (labels, sources) and ignored,
 # except settings that other front-ends take and records do not (refused: the record would be

@@ -12,19 +12,19 @@ from collections.abc import Iterator
 
 import torch
 
-from .adaptive import AdaptivePolicy
-from .config import SpeculativeConfig, as_config
-from .costs import cost_book
-from .deprecation import renamed_attribute, renamed_keywords
-from .engine import LEARNING, Engine, check_compatible
-from .inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
+from ..core.config import SpeculativeConfig, as_config
+from ..core.deprecation import renamed_attribute, renamed_keywords
+from ..core.inputs import (check_draft, check_draft_width, check_eos, check_length, check_model, check_token_range,
                      normalize_max_new, normalize_prompts)
-from .inputs import row_seeds as checked_row_seeds
-from .models.base import prefill
-from .proposers import as_proposer
-from .rows import SamplingParams
-from .sampling import NonFiniteLogits, make_generators, non_finite_rows, probabilities, sample
-from .stats import DecodeStats
+from ..core.inputs import row_seeds as checked_row_seeds
+from ..core.rows import SamplingParams
+from ..core.sampling import NonFiniteLogits, make_generators, non_finite_rows, probabilities, sample
+from ..core.stats import DecodeStats
+from ..models.base import prefill
+from ..policy.adaptive import AdaptivePolicy
+from ..policy.costs import cost_book
+from ..proposers import as_proposer
+from .engine import LEARNING, Engine, check_compatible
 
 
 class GenerationError(RuntimeError):
@@ -49,7 +49,7 @@ class SpeculativeDecoder:
     @renamed_keywords(main_model="target", draft_model="draft")
     def __init__(self, target, draft, config: SpeculativeConfig | None = None, draft_vocab=None):
         """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
-        `speculative.vocab.corpus_vocab`); None scores all."""
+        `speculative.train.vocab.corpus_vocab`); None scores all."""
         self.config = as_config(config)
         check_model(target, "target")
         check_draft(draft)

@@ -54,20 +54,20 @@ from typing import Callable, Hashable
 
 import torch
 
-from .adaptive import AdaptivePolicy, FixedPolicy
+from ..core.config import SpeculativeConfig, as_config
+from ..core.inputs import check_draft, check_model, normalize_prompts
+from ..core.rows import RequestOutput, Row, SamplingParams
+from ..core.sampling import GREEDY, NonFiniteLogits, Sampler
+from ..core.stats import DecodeStats, RequestStats
+from ..core.tree import can_branch
+from ..models.base import prefill
+from ..policy.adaptive import AdaptivePolicy, FixedPolicy
+from ..policy.costs import cost_book
+from ..proposers import as_proposer
+from ..proposers.base import branches, reads_features
 from .admission import (check_batch_size, check_can_join_running, check_compatible, check_fits, check_params,
                         check_request_id, refill_order)
-from .config import SpeculativeConfig, as_config
-from .costs import cost_book
-from .inputs import check_draft, check_model, normalize_prompts
-from .models.base import prefill
 from .phases import LEARNING, ChainPhases, TreePhases
-from .proposers import as_proposer
-from .proposers.base import branches, reads_features
-from .rows import RequestOutput, Row, SamplingParams
-from .sampling import GREEDY, NonFiniteLogits, Sampler
-from .stats import DecodeStats, RequestStats
-from .tree import can_branch
 
 # Finished requests whose stats `request_stats` still answers for.
 KEPT_STATS = 10_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..stats import RequestStats
+from ...core.stats import RequestStats
 from .engine_loop import Event
 from .protocol import GenerationRequest
 

@@ -40,7 +40,7 @@ def frequent_tokens(tokenizer, texts: Iterable[str], n: int) -> torch.Tensor:
 def corpus_texts(corpus: str, limit: int = CORPUS_CHARS) -> list[str]:
     """Texts of a named corpus or a file, about `limit` characters in all."""
     if corpus == "stdlib":
-        from .train.corpus import read_text, split_files
+        from .corpus import read_text, split_files
 
         train, _ = split_files()
         step = max(1, len(train) // 400)  # an even spread over the library
@@ -73,7 +73,7 @@ def corpus_texts(corpus: str, limit: int = CORPUS_CHARS) -> list[str]:
 
 def corpus_vocab(tokenizer, n: int, corpus: str = "stdlib", cache: Path | None = None) -> torch.Tensor:
     """frequent_tokens over a corpus, cached per tokenizer, corpus and n."""
-    from .presets import cache_root
+    from ..models.presets import cache_root
 
     source = corpus if corpus == "stdlib" else [corpus, Path(corpus).stat().st_size, Path(corpus).stat().st_mtime_ns]
     key = hashlib.sha1(json.dumps([sorted(tokenizer.vocab().items()), source, n]).encode()).hexdigest()[:16]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli_checks import integer, number
-from ..loading import HEADS
-from .sharegpt import HELD_OUT_EVERY, sharegpt_data
+from ..models.loading import HEADS
+from ..train.sharegpt import HELD_OUT_EVERY, sharegpt_data
+from .cli_checks import integer, number
 
 PROMPT_TOKENS = 64
 # Training tokens read from the data at most, by default (--data-tokens): more than an hour's run
@@ -72,8 +72,8 @@ def add_train_head(sub) -> None:
 
 
 def run(args) -> int:
-    from ..loading import load_model
-    from .head import HeadTraining, run_train_head
+    from ..models.loading import load_model
+    from ..train.head import HeadTraining, run_train_head
 
     out = Path(args.out)
     if args.ship and args.target not in HEADS:
@@ -119,7 +119,7 @@ def read_data(source: str, tokenizer, eval_prompts: int,
     """(training token stream of at most max_tokens, held-out prompts)."""
     eos = tokenizer.eos_token_ids[:1]
     if source == "stdlib":
-        from .corpus import function_prompts, read_text, split_files
+        from ..train.corpus import function_prompts, read_text, split_files
 
         train, held = split_files()
         ids = []
@@ -135,7 +135,7 @@ def read_data(source: str, tokenizer, eval_prompts: int,
     if not path.is_file():
         raise FileNotFoundError(f"--data {source} is neither 'stdlib', 'sharegpt' nor a JSON-lines file")
     ids, prompts = [], []
-    from ..prompt_files import load_line
+    from .prompt_files import load_line
 
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.config import SpeculativeConfig, integer
+from ..models.hf import HFModel
+from ..proposers.ngram import NGramProposer
+from ..runtime.decoder import SpeculativeDecoder, autoregressive_generate
 from .bench_engine import batch_throughput
 from .bench_report import LEGEND, identical_words, machine, plot, table
-from .config import SpeculativeConfig, integer
-from .decoder import SpeculativeDecoder, autoregressive_generate
-from .models.hf import HFModel
-from .proposers.ngram import NGramProposer
 
 
 class PeakMemory:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from .config import MAX_BATCH_SIZE, at_most
-from .rows import SamplingParams
-from .text import same_vocabulary
+from ..core.config import MAX_BATCH_SIZE, at_most
+from ..core.rows import SamplingParams
+from ..models.text import same_vocabulary
 
 
 def check_compatible(target, proposer) -> None:

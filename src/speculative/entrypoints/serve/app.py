@@ -36,7 +36,7 @@ class Settings:
 
 
 def create_app(loop: EngineLoop, tokenizer, settings: Settings) -> FastAPI:
-    """`tokenizer`: a TextTokenizer (speculative.text), with `chat_messages` for chat."""
+    """`tokenizer`: a TextTokenizer (speculative.models.text), with `chat_messages` for chat."""
 
     @asynccontextmanager
     async def lifespan(app):

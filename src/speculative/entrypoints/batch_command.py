@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from ..core.config import MAX_NEW_TOKENS
 from .cli_checks import integer
-from .config import MAX_NEW_TOKENS
 from .engine_args import EngineArgs
 
 

@@ -134,7 +134,7 @@ def build_engine(args, engine_args: EngineArgs):
 def warm_up(engine, tokenizer) -> None:
     """One short request before the port opens: the first client does not pay for first calls
     and the adaptive policy's cost measurement."""
-    from ..rows import SamplingParams
+    from ...core.rows import SamplingParams
 
     prompt = tokenizer.encode("def main():\n    return") or [0]
     engine.add_request(prompt, SamplingParams(max_new_tokens=8), "warm-up")

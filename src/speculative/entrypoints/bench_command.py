@@ -7,8 +7,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ..core.config import MAX_NEW_TOKENS, MAX_TREE_TOKENS, MAX_TREE_TOP_K
 from .cli_checks import integer, integer_list
-from .config import MAX_NEW_TOKENS, MAX_TREE_TOKENS, MAX_TREE_TOP_K
 from .engine_args import EngineArgs, draft_model_name
 
 
@@ -56,7 +56,7 @@ def bench_prompts(args, tokenizer, lines, limit_tokens: int | None) -> list[list
     if lines is not None:
         ids = [tokenizer.chat(line.prompt) if line.chat else tokenizer.encode(line.prompt) for line in lines]
     elif args.target == "default":
-        from .train import corpus
+        from ..train import corpus
 
         _, held_out = corpus.split_files()
         ids = [tokenizer.encode(p) for p in corpus.function_prompts(held_out, 10)]
@@ -82,7 +82,7 @@ def check_plot(path: str) -> None:
 def load_drafts(engine_args: EngineArgs, names: list[str], target: tuple, k_max: int) -> dict:
     """Each named draft (not 'ngram', which the benchmark runs itself), every model loaded
     once (MODEL and MODEL+ngram share it), each checked to hold K + 1 positions."""
-    from .inputs import check_draft_width
+    from ..core.inputs import check_draft_width
 
     loaded = {model: replace(engine_args, draft=model).load_draft()
               for model in {draft_model_name(n) for n in names} if model != "ngram"}

@@ -22,14 +22,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .adaptive import AdaptivePolicy
+from ..core.config import SpeculativeConfig
+from ..core.rows import SamplingParams
+from ..policy.adaptive import AdaptivePolicy
+from ..policy.costs import cost_book
+from ..proposers import as_proposer
+from ..runtime.decoder import SpeculativeDecoder, autoregressive_generate
+from ..runtime.engine import Engine
 from .bench_report import machine
-from .config import SpeculativeConfig
-from .costs import cost_book
-from .decoder import SpeculativeDecoder, autoregressive_generate
-from .engine import Engine
-from .proposers import as_proposer
-from .rows import SamplingParams
 
 
 @dataclass

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Engine
-from ..rows import SamplingParams
-from ..stats import RequestStats
+from ...core.rows import SamplingParams
+from ...core.stats import RequestStats
+from ...runtime.engine import Engine
 from .metrics import Metrics
 from .protocol import APIError
 from .text_stream import TextStream

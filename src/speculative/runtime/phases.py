@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import measure
-from .proposers import Proposal, merge_drafts
-from .rows import Row
-from .sampling import check_finite
-from .stats import DecodeStats
-from .tree import Tree, tree_inputs
-from .tree_budget import LOOKUP, MODEL
-from .verify import tree_verify_rows, verify_rows
+from ..core.rows import Row
+from ..core.sampling import check_finite
+from ..core.stats import DecodeStats
+from ..core.tree import Tree, tree_inputs
+from ..core.verify import tree_verify_rows, verify_rows
+from ..policy.costs import measure
+from ..policy.tree_budget import LOOKUP, MODEL
+from ..proposers import Proposal, merge_drafts
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
 LEARNING = threading.Lock()

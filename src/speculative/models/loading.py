@@ -24,19 +24,19 @@ from pathlib import Path
 
 import torch
 
+from ..core.inputs import check_device
 from . import presets
-from .inputs import check_device
+from . import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin
+from .head import HEAD_TYPE, load_head
+from .int8 import quantize_model
 from .kernels import int8_available, pack_linears, packing_available
-from .models import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin
-from .models.head import HEAD_TYPE, load_head
-from .models.int8 import quantize_model
-from .models.native import generation_eos, load_native, native_config
+from .native import generation_eos, load_native, native_config
 from .precision import INT8, resolve_precision
 from .text import TextTokenizer
 
 log = logging.getLogger("speculative")
 
-ASSETS = Path(__file__).parent / "assets" / "default"
+ASSETS = Path(__file__).parents[1] / "assets" / "default"  # speculative/assets: package data
 # The draft head shipped for a target preset: target -> (head preset, its directory, the
 # data `train-head --ship` makes it from).
 HEADS = {"default": ("default-head", ASSETS / "head", "stdlib"),
@@ -334,7 +334,7 @@ def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     from transformers import AutoModelForCausalLM
 
-    from .models.hf import HFModel
+    from .hf import HFModel
 
     if not any(path.glob("*.safetensors")):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
@@ -363,7 +363,7 @@ def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     from transformers import AutoModelForCausalLM
 
-    from .models.hf import HFModel
+    from .hf import HFModel
 
     try:  # the GGUF reader's errors (struct, numpy) do not name the file
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from .cli_checks import integer, number
-from .config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TREE_TOKENS, MAX_TREE_TOP_K,
+from ..core.config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TREE_TOKENS, MAX_TREE_TOP_K,
                      SpeculativeConfig)
+from .cli_checks import integer, number
 
 LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and lookup plus the engine's suffix cache
 # Default K of drafts without a model: a match proposes up to K and the adaptive policy
@@ -123,7 +123,7 @@ class EngineArgs:
     def validate(self) -> "EngineArgs":
         """A copy with the defaults resolved, every option and combination checked (ValueError
         names the option and what is allowed), before any model loads."""
-        from .loading import PARTNERS
+        from ..models.loading import PARTNERS
 
         if self.checked:
             return self
@@ -138,7 +138,7 @@ class EngineArgs:
 
     def check_models(self) -> None:
         """What loading the models needs: a device this machine has, and every bound."""
-        from .inputs import check_device
+        from ..core.inputs import check_device
 
         check_device(self.device, "--device")
         self.check_bounds()
@@ -211,7 +211,7 @@ class EngineArgs:
     def build(self) -> "Built":
         """Load the models the options name (options checked first): the target, its
         tokenizer and the draft, from which Built makes the engine or a decoder."""
-        from .inputs import check_draft_width
+        from ..core.inputs import check_draft_width
 
         args = self.validate()
         target, tokenizer = args.load_target()
@@ -225,8 +225,8 @@ class EngineArgs:
 
     def load_target(self):
         """(target, tokenizer), on the device and in the dtype the options say."""
-        from .inputs import check_device
-        from .loading import load_model, load_tokenizer
+        from ..core.inputs import check_device
+        from ..models.loading import load_model, load_tokenizer
 
         if self.threads is not None:
             import torch
@@ -237,9 +237,9 @@ class EngineArgs:
 
     def load_draft(self):
         """What --draft names: a draft model (or head), a lookup proposer, or None for 'none'."""
-        from .inputs import check_device
-        from .loading import load_draft
-        from .proposers import NGramProposer, SuffixProposer
+        from ..core.inputs import check_device
+        from ..models.loading import load_draft
+        from ..proposers import NGramProposer, SuffixProposer
 
         if self.draft == "none":
             return None
@@ -253,7 +253,7 @@ class EngineArgs:
         """The reduced draft vocabulary --draft-vocab asks for, or None (all tokens)."""
         if not self.draft_vocab:
             return None
-        from .vocab import corpus_vocab
+        from ..train.vocab import corpus_vocab
 
         return corpus_vocab(tokenizer, self.draft_vocab, self.draft_vocab_corpus)
 
@@ -281,8 +281,8 @@ class Built:
 
     def engine(self):
         """The step engine (serve, batch): requests bring their own sampling."""
-        from .engine import Engine
-        from .proposers import as_proposer
+        from ..proposers import as_proposer
+        from ..runtime.engine import Engine
 
         config = self.args.config(sampling=False)
         proposer = None if self.draft is None else as_proposer(self.draft, config, self.draft_vocab,
@@ -291,8 +291,8 @@ class Built:
 
     def decoder(self):
         """A SpeculativeDecoder (generate), sampling as the options say."""
-        from .decoder import SpeculativeDecoder
-        from .proposers import NoDraft
+        from ..proposers import NoDraft
+        from ..runtime.decoder import SpeculativeDecoder
 
         draft = NoDraft() if self.draft is None else self.draft
         return SpeculativeDecoder(self.target, draft, self.args.config(), draft_vocab=self.draft_vocab)
@@ -354,7 +354,7 @@ def add_sampling(group, everything: bool) -> None:
 
 def add_precision(group) -> None:
     """--dtype, --draft-dtype and the reduced draft vocabulary."""
-    from .precision import CHOICES
+    from ..models.precision import CHOICES
 
     group.add_argument("--dtype", default="auto", choices=CHOICES, help="precision of the target. int8: int8 "
                        "weights, each token's activations in int8, float32 else; a model of its own, whose output "

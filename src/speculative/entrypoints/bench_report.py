@@ -15,7 +15,7 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from .precision import cpu_features
+    from ..models.precision import cpu_features
 
     # Tables from CPUs with and without native bfloat16 differ most: say which this is.
     native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))

@@ -15,7 +15,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..rows import SamplingParams
+from ...core.rows import SamplingParams
 from .engine_loop import EngineLoop, Event, Job
 from .http import authorize, read_body
 from .protocol import APIError, GenerationRequest, invalid, parse_chat, parse_completion
