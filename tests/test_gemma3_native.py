@@ -195,7 +195,7 @@ def test_the_int8_cache_gives_back_the_same_model(checkpoints, cache, monkeypatc
 
 def test_attention_skipping_leading_hidden_blocks_keeps_the_bits():
     """cached_attention over keys whose first blocks no query sees, with and without them."""
-    from speculative.models.decoder_only import KEY_BLOCK, cached_attention
+    from speculative.models.attention import KEY_BLOCK, cached_attention
     gen = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(1, 1, 3 * KEY_BLOCK, 32, generator=gen) for _ in range(2))
     positions = torch.arange(2 * KEY_BLOCK + 100, 2 * KEY_BLOCK + 111)
@@ -217,10 +217,11 @@ def test_attention_skipping_leading_hidden_blocks_keeps_the_bits():
 def small_key_blocks(monkeypatch):
     """Key blocks of 16 slots, so that a sliding window of 8 leaves whole blocks behind it
     within the tiny model's context."""
+    import speculative.models.attention as attention
     import speculative.models.decoder_only as decoder_only
     import speculative.models.gemma3 as gemma3
-    monkeypatch.setattr(decoder_only, "KEY_BLOCK", 16)
-    monkeypatch.setattr(gemma3, "KEY_BLOCK", 16)
+    for module in (attention, decoder_only, gemma3):
+        monkeypatch.setattr(module, "KEY_BLOCK", 16)
     read = []
     attention = decoder_only.cached_attention
     monkeypatch.setattr(decoder_only, "cached_attention",

@@ -8,105 +8,15 @@ is moving the length; entries past it are masked and later overwritten.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import KEY_BLOCK, KVState, cached_attention, key_slots, rope_table, rotate, tree_mask
 from .base import OutputHead, check_lengths, output, valid_counts
-
-
-@dataclass
-class DecoderOnlyConfig:
-    vocab_size: int
-    # Width of the residual stream.
-    hidden_size: int = 512
-    # Number of transformer blocks.
-    num_layers: int = 8
-    # Attention heads; hidden_size must be a multiple of it.
-    num_heads: int = 8
-    # Key/value heads (grouped-query attention); None = num_heads.
-    num_kv_heads: int | None = None
-    # Width of the SwiGLU MLP; None = about 8/3 of hidden_size, rounded up to 32.
-    intermediate_size: int | None = None
-    # Longest sequence (prompt + generated tokens) the model accepts.
-    max_seq_len: int = 2048
-    # Base of the rotary position frequencies.
-    rope_theta: float = 10000.0
-    # Epsilon of RMSNorm.
-    rms_norm_eps: float = 1e-5
-    # Share the input embedding with the output projection.
-    tie_embeddings: bool = True
-    # Biases on the query, key and value projections (Qwen2).
-    attention_bias: bool = False
-
-    def __post_init__(self) -> None:
-        # Upper bounds far above any real model's, so that a wrong config (a config.json saying
-        # max_seq_len 1e12) is refused here rather than by the OS once tensors are allocated.
-        bounds = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_layers": 1024, "num_heads": 1 << 12,
-                  "num_kv_heads": 1 << 12, "intermediate_size": 1 << 18, "max_seq_len": 1 << 20}
-        for name, high in bounds.items():
-            value = getattr(self, name)
-            if value is None and name in ("num_kv_heads", "intermediate_size"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-                raise ValueError(f"decoder_only option {name} must be an integer in 1..{high}, got {value!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
-                    or (name == "rope_theta" and value == 0):
-                allowed = "> 0" if name == "rope_theta" else ">= 0"
-                raise ValueError(f"decoder_only option {name} must be a finite number {allowed}, got {value!r}")
-        for name in ("tie_embeddings", "attention_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"decoder_only option {name} must be true or false, got {getattr(self, name)!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"decoder_only hidden_size ({self.hidden_size}) must be a multiple of "
-                             f"num_heads ({self.num_heads})")
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError("decoder_only head size (hidden_size / num_heads) must be even for rotary "
-                             f"positions, got {self.hidden_size // self.num_heads}")
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"decoder_only num_kv_heads ({self.num_kv_heads}) must divide num_heads "
-                             f"({self.num_heads})")
-        if self.intermediate_size is None:
-            self.intermediate_size = -(-8 * self.hidden_size // 3 // 32) * 32
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-# Attention reads keys in spans of whole blocks of this many slots (see `Attention`).
-KEY_BLOCK = 512
-
-
-def key_slots(capacity: int) -> int:
-    """Slots of a cache for `capacity` positions: those, a scratch slot, rounded up to KEY_BLOCK."""
-    return -(-(capacity + 1) // KEY_BLOCK) * KEY_BLOCK
-
-
-class KVState:
-    """Per-generation cache: keys and values per layer in buffers (R, H_kv, S, D) whose
-    first B rows are in use, one length per row. R >= B: slots of rows that left are
-    reused by rows that join, so a running batch does not reallocate or copy its cache.
-    Slot `capacity` is scratch: padding tokens (past a row's num_valid) write there, so a
-    row near its capacity can share a forward with rows that feed more tokens. S rounds
-    capacity + 1 up to whole key blocks; the slots past a row's length are masked."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
-        self.keys = keys
-        self.values = values
-        self.capacity = capacity
-        self.lengths = [0] * keys[0].shape[0]
-
-    def in_use(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views (B, H_kv, S, D) of the rows in use."""
-        batch = len(self.lengths)
-        return [k[:batch] for k in self.keys], [v[:batch] for v in self.values]
+from .decoder_config import DecoderOnlyConfig
 
 
 class RMSNorm(nn.Module):
@@ -121,12 +31,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary positions: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) taken
-    as roll(x) = (x2, x1) times a sine whose first half is negated (the same bits)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
 def fused(*layers: nn.Linear) -> nn.Linear:
@@ -162,18 +66,21 @@ class Attention(nn.Module):
         self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        """q (B, H, T, D), k and v (B, H_kv, T, D), with q and k rotated."""
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, D), k and v (B, H_kv, T, D) of inputs x (B, T, hidden), not rotated."""
         batch, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:
-            q = self.q_proj(x).view(batch, width, heads, dim).transpose(1, 2)
-            k = self.k_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
-            v = self.v_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
-            return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin), v
+            return (self.q_proj(x).view(batch, width, heads, dim).transpose(1, 2),
+                    self.k_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2),
+                    self.v_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2))
         qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, dim).transpose(1, 2)
-        qk = rotate(qkv[:, :heads + kv_heads], cos, signed_sin)  # both rotated in one pass
-        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        """q (B, H, T, D), k and v (B, H_kv, T, D), with q and k rotated."""
+        q, k, v = self.heads(x)
+        return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin), v
 
     def forward(self, x, cos, sin, cache=None):
         """cache = (write, cache_k, cache_v, slots, mask) during generation; None scores a whole
@@ -198,55 +105,6 @@ class Attention(nn.Module):
                                                      attn_mask=mask[:, None], enable_gqa=gqa,
                                                      scale=self.scale)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
-
-
-# Queries that `cached_attention` scores in one product (bounds its (B, H, T, S) scores).
-QUERY_BLOCK = 256
-# Fewest rows a product of `cached_attention` multiplies: BLAS libraries run products of a
-# few rows through kernels of their own (rounding differently), so fewer are padded to it.
-MIN_ROWS = 16
-
-
-def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
-    """Attention (B, H, T, D) of queries q (B, H, T, D) over keys and values (B, H_kv, S, D)
-    where mask (B, T, S) is True, as explicit products and a softmax over all S slots.
-
-    Width-invariant, bit for bit: a query's scores and output come out of products whose
-    reductions (over D, then over S) run the same whatever the other rows of the call
-    (at least MIN_ROWS of them), and slots it cannot see add exact zeros, so a verify
-    forward gives each token what a forward of that token alone gives, provided S is the
-    same or differs by whole key blocks at either end (tests/test_int8.py). PyTorch's fused kernel
-    splits its work by the number of queries, so its rounding depends on the width.
-    `scale` multiplies the queries (default 1/sqrt(D))."""
-    batch, heads, width, dim = q.shape
-    kv_heads, slots = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    out = torch.empty_like(q)
-    for start in range(0, width, QUERY_BLOCK):
-        block = q[:, :, start:start + QUERY_BLOCK]
-        rows = block.shape[2]
-        grouped = (block * (dim ** -0.5 if scale is None else scale)).reshape(batch, kv_heads, group * rows, dim)
-        padding = MIN_ROWS - group * rows
-        if padding > 0:
-            grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padding, dim)], 2)
-        scores = grouped @ keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S)
-        hidden = ~mask[:, None, None, start:start + rows]  # (B, 1, 1, t, S)
-        scores[:, :, :group * rows].view(batch, kv_heads, group, rows, slots).masked_fill_(hidden, float("-inf"))
-        mixed = blockwise_product(torch.softmax(scores, -1), values)  # (B, H_kv, g*t + padding, D)
-        out[:, :, start:start + rows] = mixed[:, :, :group * rows].reshape(batch, heads, rows, dim)
-    return out
-
-
-def blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """weights (..., R, S) @ values (..., S, D), summed one KEY_BLOCK of slots at a time in
-    order. A BLAS product's rounding depends on where its reduction starts; summed by
-    blocks, leading blocks of zero weight add exact zeros, so a caller may drop them (a
-    sliding window's span) and a token keeps the bits it gets over the whole cache."""
-    mixed = weights[..., :KEY_BLOCK] @ values[..., :KEY_BLOCK, :]
-    for start in range(KEY_BLOCK, weights.shape[-1], KEY_BLOCK):
-        mixed += weights[..., start:start + KEY_BLOCK] @ values[..., start:start + KEY_BLOCK, :]
-    return mixed
 
 
 class MLP(nn.Module):
@@ -507,26 +365,3 @@ class DecoderOnlyLM(nn.Module):
     def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
         """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""
         return OutputHead(self.lm_head, token_ids)
-
-
-def rope_table(theta: float, dim: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (stop - start, dim) of rotary base `theta` for positions start..stop - 1,
-    the sine's first half negated (`rotate`)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
-    freqs = torch.outer(torch.arange(start, stop, device=device).float(), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin[:, :dim // 2] *= -1
-    return emb.cos(), sin
-
-
-def tree_mask(tree: torch.Tensor, starts: torch.Tensor, keys: int) -> torch.Tensor:
-    """(B, T, keys) attention mask: row b's slots before the tree's (< starts[b] - (W - T)),
-    and among the W slots from there the ones `tree` (B, T, W) allows."""
-    batch, width, span = tree.shape
-    if span < width:
-        raise ValueError(f"a tree mask (B, T, W) needs W >= T, got {tuple(tree.shape)}")
-    offset = torch.arange(keys, device=tree.device)[None, :] - (starts[:, None] - (span - width))  # (B, keys)
-    inside = (offset >= 0) & (offset < span)
-    picked = tree.gather(2, offset.clamp(0, span - 1)[:, None, :].expand(batch, width, keys))
-    return (offset < 0)[:, None, :] | (picked & inside[:, None, :])

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder_only import KEY_BLOCK, MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM, KVState, rope_table, rotate
+from .attention import KEY_BLOCK, KVState, rope_table, rotate
+from .decoder_only import MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' default layer pattern: five sliding layers, then a full one.
@@ -104,15 +105,7 @@ class Gemma3Attention(Attention):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """q (B, H, T, D), k and v (B, H_kv, T, D), q and k normalized, then rotated."""
-        batch, width, _ = x.shape
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is None:
-            q = self.q_proj(x).view(batch, width, heads, dim).transpose(1, 2)
-            k = self.k_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
-            v = self.v_proj(x).view(batch, width, kv_heads, dim).transpose(1, 2)
-        else:
-            qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, dim).transpose(1, 2)
-            q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+        q, k, v = self.heads(x)
         return rotate(self.q_norm(q), cos, signed_sin), rotate(self.k_norm(k), cos, signed_sin), v
 
 

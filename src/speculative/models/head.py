@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from .kernels import Int8Linear, quantize_linears
+from .attention import KVState
 from .base import OutputHead, load_checked
-from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM, KVState
+from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 
 HEAD_TYPE = "draft_head"
 # Token ids whose embedding norms make a target's fingerprint (spread over the vocabulary).

@@ -22,7 +22,7 @@ import inspect
 import torch
 
 from .base import OutputHead
-from .decoder_only import KEY_BLOCK, cached_attention
+from .attention import KEY_BLOCK, cached_attention
 
 # Layer types whose masks we know how to build.
 LAYER_TYPES = {"full_attention", "sliding_attention"}

@@ -1,0 +1,115 @@
+"""Attention over a position-indexed KV cache, the same bits at every width.
+
+The cache (`KVState`) holds each row's keys and values at their positions, in whole
+KEY_BLOCKs of slots; `cached_attention` gives a token the bits that a forward of that token
+alone gives, whatever else the forward holds and however many key blocks it reads (see its
+docstring); `tree_mask` lets a token tree's nodes see their ancestors; rotary positions
+come from float32 tables (`rope_table`) and `rotate`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Attention reads keys in spans of whole blocks of this many slots (see `Attention`).
+KEY_BLOCK = 512
+
+
+def key_slots(capacity: int) -> int:
+    """Slots of a cache for `capacity` positions: those, a scratch slot, rounded up to KEY_BLOCK."""
+    return -(-(capacity + 1) // KEY_BLOCK) * KEY_BLOCK
+
+
+class KVState:
+    """Per-generation cache: keys and values per layer in buffers (R, H_kv, S, D) whose
+    first B rows are in use, one length per row. R >= B: slots of rows that left are
+    reused by rows that join, so a running batch does not reallocate or copy its cache.
+    Slot `capacity` is scratch: padding tokens (past a row's num_valid) write there, so a
+    row near its capacity can share a forward with rows that feed more tokens. S rounds
+    capacity + 1 up to whole key blocks; the slots past a row's length are masked."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
+        self.keys = keys
+        self.values = values
+        self.capacity = capacity
+        self.lengths = [0] * keys[0].shape[0]
+
+    def in_use(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views (B, H_kv, S, D) of the rows in use."""
+        batch = len(self.lengths)
+        return [k[:batch] for k in self.keys], [v[:batch] for v in self.values]
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) taken
+    as roll(x) = (x2, x1) times a sine whose first half is negated (the same bits)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+# Queries that `cached_attention` scores in one product (bounds its (B, H, T, S) scores).
+QUERY_BLOCK = 256
+# Fewest rows a product of `cached_attention` multiplies: BLAS libraries run products of a
+# few rows through kernels of their own (rounding differently), so fewer are padded to it.
+MIN_ROWS = 16
+
+
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Attention (B, H, T, D) of queries q (B, H, T, D) over keys and values (B, H_kv, S, D)
+    where mask (B, T, S) is True, as explicit products and a softmax over all S slots.
+
+    Width-invariant, bit for bit: a query's scores and output come out of products whose
+    reductions (over D, then over S) run the same whatever the other rows of the call
+    (at least MIN_ROWS of them), and slots it cannot see add exact zeros, so a verify
+    forward gives each token what a forward of that token alone gives, provided S is the
+    same or differs by whole key blocks at either end (tests/test_int8.py). PyTorch's fused kernel
+    splits its work by the number of queries, so its rounding depends on the width.
+    `scale` multiplies the queries (default 1/sqrt(D))."""
+    batch, heads, width, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    for start in range(0, width, QUERY_BLOCK):
+        block = q[:, :, start:start + QUERY_BLOCK]
+        rows = block.shape[2]
+        grouped = (block * (dim ** -0.5 if scale is None else scale)).reshape(batch, kv_heads, group * rows, dim)
+        padding = MIN_ROWS - group * rows
+        if padding > 0:
+            grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padding, dim)], 2)
+        scores = grouped @ keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S)
+        hidden = ~mask[:, None, None, start:start + rows]  # (B, 1, 1, t, S)
+        scores[:, :, :group * rows].view(batch, kv_heads, group, rows, slots).masked_fill_(hidden, float("-inf"))
+        mixed = blockwise_product(torch.softmax(scores, -1), values)  # (B, H_kv, g*t + padding, D)
+        out[:, :, start:start + rows] = mixed[:, :, :group * rows].reshape(batch, heads, rows, dim)
+    return out
+
+
+def blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """weights (..., R, S) @ values (..., S, D), summed one KEY_BLOCK of slots at a time in
+    order. A BLAS product's rounding depends on where its reduction starts; summed by
+    blocks, leading blocks of zero weight add exact zeros, so a caller may drop them (a
+    sliding window's span) and a token keeps the bits it gets over the whole cache."""
+    mixed = weights[..., :KEY_BLOCK] @ values[..., :KEY_BLOCK, :]
+    for start in range(KEY_BLOCK, weights.shape[-1], KEY_BLOCK):
+        mixed += weights[..., start:start + KEY_BLOCK] @ values[..., start:start + KEY_BLOCK, :]
+    return mixed
+
+def rope_table(theta: float, dim: int, start: int, stop: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (stop - start, dim) of rotary base `theta` for positions start..stop - 1,
+    the sine's first half negated (`rotate`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(start, stop, device=device).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[:, :dim // 2] *= -1
+    return emb.cos(), sin
+
+
+def tree_mask(tree: torch.Tensor, starts: torch.Tensor, keys: int) -> torch.Tensor:
+    """(B, T, keys) attention mask: row b's slots before the tree's (< starts[b] - (W - T)),
+    and among the W slots from there the ones `tree` (B, T, W) allows."""
+    batch, width, span = tree.shape
+    if span < width:
+        raise ValueError(f"a tree mask (B, T, W) needs W >= T, got {tuple(tree.shape)}")
+    offset = torch.arange(keys, device=tree.device)[None, :] - (starts[:, None] - (span - width))  # (B, keys)
+    inside = (offset >= 0) & (offset < span)
+    picked = tree.gather(2, offset.clamp(0, span - 1)[:, None, :].expand(batch, width, keys))
+    return (offset < 0)[:, None, :] | (picked & inside[:, None, :])
