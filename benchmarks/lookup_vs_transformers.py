@@ -141,8 +141,8 @@ def prompts_of(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(json.loads(line)["prompt"]) for line in path.read_text().splitlines() if line.strip()]
 
 
-def section(save_per_machine, runs: int = 3) -> None:
-    """Both dtypes, then the first-against-tenth check (about 25 minutes on 2 cores)."""
+def section(save_per_machine, runs: int = 2) -> None:
+    """Both dtypes, then the first-against-tenth check (about 20 minutes on 2 cores)."""
     tokenizer = load_model("gemma-3-270m", dtype="float32").tokenizer
     prompts = prompts_of(tokenizer)
     entry = {"compare": [compare(dtype, prompts, runs=runs) for dtype in ("float32", "bfloat16")],
