@@ -67,15 +67,15 @@ def test_smoothed_int8_follows_float_more_closely():
     assert errors["smoothed"] < 0.8 * errors["plain"], errors  # 0.69x on this CPU
 
 
-def test_every_block_is_smoothed_once_in_order_and_then_forgotten():
+def test_the_model_takes_the_alpha_whose_simulated_int8_scores_calibration_best():
     model = outlier_model()
     read = SmoothedReader(reader_of(model), type(model)(model.cfg).fuse(), calibration(model))
-    last = f"layers.{len(model.layers) - 1}.mlp.down_proj.weight"
-    read(last)  # the blocks before it are smoothed on the way
-    assert read.next_block == len(model.layers)
-    assert all(not name.startswith(f"layers.{len(model.layers) - 1}.mlp.down") for name in read.smoothed)
-    first = read("layers.0.input_layernorm.weight")
+    first = read("layers.0.input_layernorm.weight")  # the choice is made on the first block's first read
+    assert read.alpha is not None  # 40x outlier channels: smoothing pays
+    assert len(read.peaks) == len(model.layers)
     assert not torch.equal(first, model.layers[0].input_layernorm.weight)
+    plain = SmoothedReader(reader_of(model), type(model)(model.cfg).fuse(), calibration(model), alphas=(None,))
+    assert torch.equal(plain("layers.0.input_layernorm.weight"), model.layers[0].input_layernorm.weight)
 
 
 @pytest.fixture
@@ -103,13 +103,13 @@ def test_a_checkpoint_with_a_tokenizer_is_smoothed_when_quantized(llama_with_tok
     import speculative.models.smoothing as smoothing
 
     smoothed = []
-    original = smoothing.smooth_block
-    monkeypatch.setattr(smoothing, "smooth_block", lambda *args: smoothed.append(1) or original(*args))
+    monkeypatch.setattr(smoothing.SmoothedReader, "choose",
+                        lambda self, choose=smoothing.SmoothedReader.choose: smoothed.append(1) or choose(self))
     model = load_model(llama_with_tokenizer, dtype="int8")
-    assert len(smoothed) == 2  # one per block, while quantizing
+    assert len(smoothed) == 1  # once, while quantizing
     assert widths_agree(model)
     again = load_model(llama_with_tokenizer, dtype="int8")  # from the cache: nothing smoothed again
-    assert len(smoothed) == 2
+    assert len(smoothed) == 1
     tokens = torch.tensor([chunks[0][:40]])
     with torch.inference_mode():
         assert torch.equal(again.forward(tokens), model.forward(tokens))

@@ -35,7 +35,7 @@ from .kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
 
 log = logging.getLogger("speculative")
 
-FORMAT = 2  # 2: smoothed before quantizing (smoothing.py)
+FORMAT = 3  # 2: smoothed before quantizing (smoothing.py); 3: smoothing chosen per layer
 MANIFEST = "int8-manifest.json"
 # The model class each configuration builds (a subclass's before its base's).
 MODEL_CLASSES = {Gemma3Config: Gemma3LM, DecoderOnlyConfig: DecoderOnlyLM}

@@ -9,8 +9,8 @@ bytes and half of bfloat16's, and it is width-invariant: a verify forward gives 
 token the bits of a one-token forward, so speculative output is exactly the int8 model's
 own. On CPUs whose cores multiply 8-bit integers natively (VNNI) and have no AMX, `auto`
 picks it for models of INT8_MIN_WEIGHTS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
-VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16
-(BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
+VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16, Gemma
+3 270M 1.5x (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
 VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
 so `auto` does not pick it there.
 
@@ -61,10 +61,11 @@ def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> 
 # Weights below which `auto` keeps float32 on CPUs: a forward that small is bound by
 # per-operation overhead, not by reading weights, so 16 bits would gain nothing.
 SMALL_FOR_16_BITS = 100_000_000
-# Weights from which `auto` picks int8 where it runs fast: int8 perplexity was within 1.3%
-# of bfloat16's for Qwen2.5-Coder 0.5B (494M) but 6.9% above it for Gemma 3 270M
-# (BENCHMARKS.md, int8-quality), which stays in bfloat16 unless int8 is asked for.
-INT8_MIN_WEIGHTS = 400_000_000
+# Weights from which `auto` picks int8 where it runs fast: as for 16 bits, smaller models are
+# bound by per-operation overhead. With smoothing (models/smoothing.py), int8 perplexity is
+# within 1% of bfloat16's for Gemma 3 270M and Qwen2.5-Coder 0.5B (BENCHMARKS.md, int8
+# quality), and Gemma 3 270M decodes about 1.5x faster in int8 than in bfloat16 on a Zen 4.
+INT8_MIN_WEIGHTS = SMALL_FOR_16_BITS
 
 
 def cpu_has_int8(features: frozenset[str] | None = None) -> bool:
