@@ -78,9 +78,16 @@ class Attention(nn.Module):
         return qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        """q (B, H, T, D), k and v (B, H_kv, T, D), with q and k rotated."""
-        q, k, v = self.heads(x)
-        return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin), v
+        """q (B, H, T, D), k and v (B, H_kv, T, D), with q and k rotated: fused, in one pass
+        (a small model's forward is bound by the number of operations)."""
+        if self.qkv_proj is None:
+            q, k, v = self.heads(x)
+            return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin), v
+        batch, width, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim).transpose(1, 2)
+        qk = rotate(qkv[:, :heads + kv_heads], cos, signed_sin)
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
     def forward(self, x, cos, sin, cache=None):
         """cache = (write, cache_k, cache_v, slots, mask) during generation; None scores a whole
