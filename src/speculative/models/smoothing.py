@@ -110,7 +110,9 @@ class SmoothedReader:
                 hook.remove()
             self.peaks.append(peaks)
             for alpha in self.alphas:
-                streams[alpha] = simulated(block, peaks, model.cfg, alpha)(streams[alpha], *rope)
+                candidate = simulated(block, peaks, model.cfg, alpha)
+                with torch.inference_mode():
+                    streams[alpha] = candidate(streams[alpha], *rope)
         losses = {alpha: self._loss(stream, tokens) for alpha, stream in streams.items()}
         self.alpha = min(self.alphas, key=losses.get)
         log.info("int8 smoothing: alpha %s (calibration loss by alpha: %s)", self.alpha,
