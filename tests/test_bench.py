@@ -1,7 +1,6 @@
 """`speculative bench` end to end on a tiny pair, and adaptive K on a useless draft."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ import torch
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, save_model
 from speculative.entrypoints.cli import main
 from speculative.entrypoints.bench import identical_words
+from speculative.core.rows import SamplingParams
 from tests.helpers import TableModel, perturbed, tiny
 
 pytest.importorskip("matplotlib")
@@ -139,17 +139,6 @@ def test_one_stalled_forward_does_not_switch_speculation_off():
     assert policy.plan(1, [0], [False], [4], has_model=True).k == 4
 
 
-class ComputeBoundTarget(TableModel):
-    """A Markov table whose forward takes 5 ms plus 2 ms per token in the batch: like a
-    CPU, where one row leaves the matrix units idle and many rows fill them. Long enough that
-    the engine's own Python time, which grows when other processes share the cores (tests in
-    parallel), stays small beside it."""
-
-    def forward(self, tokens, state, num_valid=None, keep_logits=True):
-        time.sleep(0.005 + 0.002 * tokens.numel())
-        return super().forward(tokens, state, num_valid, keep_logits)
-
-
 def cyclic_table(vocab: int = 16, cycle: int = 7) -> torch.Tensor:
     """Greedy decoding repeats a cycle of `cycle` tokens: prompt lookup finds the next ones."""
     table = torch.zeros(vocab, vocab)
@@ -171,15 +160,26 @@ class HalfWrongLookup(NGramProposer):
         return drafts, matched
 
 
-@pytest.mark.slow  # real sleeps stand for forward times: flaky beside another test worker; CI runs it serially
 def test_adaptive_drafting_stops_at_a_batch_size_where_it_cannot_pay():
-    target = ComputeBoundTarget(cyclic_table())
+    """On a fake clock that each forward moves by 5 ms plus 2 ms per token in the batch (a
+    CPU, where one row leaves the matrix units idle and many rows fill them)."""
+    from speculative.runtime.engine import Engine
+    from tests.test_policy import Clock, Timed
+
+    clock = Clock()
+    target = Timed(TableModel(cyclic_table()), clock, per_forward=0.005, per_token=0.002, seed=4)
     drafted_per_row = {}
     for size in (1, 16):
         prompts = [[(i + j) % 7 for j in range(8)] for i in range(size)]
-        decoder = SpeculativeDecoder(target, HalfWrongLookup(num_draft_tokens=4), SpeculativeConfig(num_draft_tokens=4))
-        assert decoder.generate(prompts, 60) == autoregressive_generate(target, prompts, 60)
-        drafted_per_row[size] = decoder.stats.drafted / size / decoder.stats.target_forwards
+        engine = Engine(target, HalfWrongLookup(num_draft_tokens=4), SpeculativeConfig(num_draft_tokens=4),
+                        max_batch_size=size, clock=clock)
+        ids = [engine.add_request(prompt, SamplingParams(60)) for prompt in prompts]
+        outputs = {request: [] for request in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id] += out.new_token_ids
+        assert [outputs[request] for request in ids] == autoregressive_generate(target.model, prompts, 60)
+        drafted_per_row[size] = engine.stats.drafted / size / engine.stats.target_forwards
     # Drafts of 4 tokens, all kept half the time: 3 tokens a step. One row: a forward of 5
     # tokens costs 15 ms against 7 ms for one, so nearly every step drafts. 16 rows: 165 ms against
     # 37 ms, more than the tokens it saves (narrower drafts neither), so only probes draft.
