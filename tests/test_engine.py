@@ -135,14 +135,14 @@ def test_greedy_and_sampled_requests_share_one_batch_losslessly():
 
     target = sharpened(tiny("decoder_only", vocab=VOCAB, seed=11))
     draft = sharpened(tiny("decoder_only", vocab=VOCAB, seed=12))
-    kinds = {"hot": SimpleNamespace(main_temperature=1.0, top_k=None, top_p=None),
-             "cool": SimpleNamespace(main_temperature=0.6, top_k=5, top_p=None)}
+    kinds = {"hot": SimpleNamespace(target_temperature=1.0, top_k=None, top_p=None),
+             "cool": SimpleNamespace(target_temperature=0.6, top_k=5, top_p=None)}
     engine = Engine(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=2), max_batch_size=1500)
     draws = 20_000
     for i in range(draws):
         engine.add_request(PROMPT, SamplingParams(LENGTH), f"greedy {i}")
         for name, k in kinds.items():
-            engine.add_request(PROMPT, SamplingParams(LENGTH, k.main_temperature, k.top_k, seed=i), f"{name} {i}")
+            engine.add_request(PROMPT, SamplingParams(LENGTH, k.target_temperature, k.top_k, seed=i), f"{name} {i}")
     counts = {name: torch.zeros(VOCAB ** LENGTH) for name in kinds}
     greedy, outs = set(), {}
     while engine.has_unfinished():
@@ -161,7 +161,7 @@ def test_greedy_and_sampled_requests_share_one_batch_losslessly():
         assert g_test_pvalue(counts[name], exact_joint(target, settings)) > P_MIN, name
     # The test has teeth: each kind's draws are refused against another kind's distribution.
     assert g_test_pvalue(counts["cool"], exact_joint(target, kinds["hot"])) < P_MIN
-    warmer = SimpleNamespace(main_temperature=0.8, top_k=None, top_p=None)
+    warmer = SimpleNamespace(target_temperature=0.8, top_k=None, top_p=None)
     assert g_test_pvalue(counts["hot"], exact_joint(target, warmer)) < P_MIN
 
 

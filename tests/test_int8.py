@@ -189,7 +189,7 @@ def test_sampling_from_an_int8_target_follows_its_own_distribution():
     counts = draw(decoder)
     assert 0 < decoder.acceptance_rate() < 1
     assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
-    warmer = SpeculativeConfig(adaptive=False, greedy_verification=False, main_temperature=1.3)
+    warmer = SpeculativeConfig(adaptive=False, greedy_verification=False, target_temperature=1.3)
     assert g_test_pvalue(counts, exact_joint(target, warmer)) < P_MIN
     assert counts.sum() == DRAWS and LENGTH == 3
 

@@ -198,7 +198,7 @@ def test_bfloat16_sampling_is_lossless():
     exact = exact_joint(target, config)
     assert g_test_pvalue(draw(decoder), exact) > P_MIN
     assert 0 < decoder.acceptance_rate() < 1
-    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, main_temperature=1.4)
+    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, target_temperature=1.4)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     assert g_test_pvalue(torch.bincount(index, minlength=VOCAB ** LENGTH), exact) < P_MIN
