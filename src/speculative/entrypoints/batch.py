@@ -222,9 +222,9 @@ def progress(total: int, enabled: bool):
     return tqdm(total=total, unit="records", disable=not enabled, dynamic_ncols=True)
 
 
-def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = True,
-              clock: Callable[[], float] = time.perf_counter) -> Summary:
-    """The job in this process, on one engine, with a progress bar (records, tokens/s)."""
+def open_job(input_path, output_path, spec: ModelSpec):
+    """(the checked spec, the output file, a Summary counting records already done, the
+    records left to run) of a job: what a local and a Ray run start from."""
     from .batch_files import OutputFile, check_paths, pending, read_records
 
     check_paths(input_path, output_path)
@@ -232,7 +232,13 @@ def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = Tr
     spec = spec.validate()
     output = OutputFile(output_path)
     summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
-    todo = [record for _, record in pending(records, output.done)]
+    return spec, output, summary, [record for _, record in pending(records, output.done)]
+
+
+def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = True,
+              clock: Callable[[], float] = time.perf_counter) -> Summary:
+    """The job in this process, on one engine, with a progress bar (records, tokens/s)."""
+    spec, output, summary, todo = open_job(input_path, output_path, spec)
     started = clock()
     try:
         if todo:

@@ -25,8 +25,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from .batch import ModelSpec, Summary, Worker, progress
-from .batch_files import OutputFile, check_paths, pending, read_records
+from .batch import ModelSpec, Summary, Worker, open_job, progress
 
 
 class GenerateBatch:
@@ -73,12 +72,7 @@ def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
-    check_paths(input_path, output_path)
-    records = read_records(input_path)
-    spec = spec.validate()
-    output = OutputFile(output_path)
-    summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
-    todo = [record for _, record in pending(records, output.done)]
+    spec, output, summary, todo = open_job(input_path, output_path, spec)
     started, started_at = clock(), time.time()
     joined = False
     try:
