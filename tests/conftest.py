@@ -9,6 +9,13 @@ THREADS = int(os.environ.get("SPECULATIVE_TEST_THREADS", max(1, min(2, torch.get
 os.environ["SPECULATIVE_TEST_THREADS"] = str(THREADS)
 torch.set_num_threads(THREADS)
 
+# The compiled int8 kernel (models/int8_kernel.py) is built once into the user's cache, not
+# into the temporary caches that tests point SPECULATIVE_CACHE at (a build takes ~15 s).
+if not os.environ.get("SPECULATIVE_KERNEL_CACHE"):
+    from speculative.models.presets import cache_root
+
+    os.environ["SPECULATIVE_KERNEL_CACHE"] = str(cache_root() / "kernels")
+
 
 def pytest_terminal_summary(terminalreporter, config):
     """The quick run (`make test`, -m "not slow") says what it left out and how to run it."""

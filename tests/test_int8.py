@@ -18,6 +18,7 @@ import torch
 
 from speculative import (NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model,
                          save_model)
+from speculative.models.int8_kernel import compiled_ops
 from speculative.models.kernels import Int8Embedding, Int8Linear, int8_available
 from speculative.models.precision import resolve_precision
 from tests.helpers import perturbed, sharpen, tiny
@@ -32,12 +33,35 @@ def rows_alone(layer, x):
     return torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
 
 
-@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.fixture(params=["compiled", "fbgemm"])
+def kernel(request, monkeypatch):
+    """Each int8 kernel in turn (models/int8_kernel.py; a missing compiler skips "compiled")."""
+    monkeypatch.setenv("SPECULATIVE_INT8_KERNEL", request.param)
+    if request.param == "compiled":
+        try:
+            compiled_ops()
+        except RuntimeError as error:
+            pytest.skip(str(error))
+    return request.param
+
+
+KERNEL_VARIANTS = [("compiled", "auto"), ("compiled", "avx2"), ("compiled", "plain"), ("fbgemm", False),
+                   ("fbgemm", True)]
+
+
+@pytest.mark.parametrize("kernel, variant", KERNEL_VARIANTS, indirect=["kernel"])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (40, 37), (256, 1536), (33, 8)])
-def test_an_int8_layer_gives_each_row_the_bits_it_gets_alone(reduce_range, out_features, in_features):
+def test_an_int8_layer_gives_each_row_the_bits_it_gets_alone(kernel, variant, out_features, in_features):
     torch.manual_seed(out_features + in_features)
     layer = Int8Linear(torch.nn.Linear(in_features, out_features))
-    layer.reduce_range = reduce_range  # 7-bit activations, as on CPUs without VNNI
+    assert layer.kernel == kernel
+    if kernel == "fbgemm":
+        layer.reduce_range = variant  # 7-bit activations, as on CPUs without VNNI
+    else:
+        layer.isa = variant  # the instruction set (auto: the best this CPU has)
+        if variant == "avx2" and compiled_ops().int8_isa() == "plain":
+            pytest.skip("this CPU has no AVX2")
+    reduce_range = variant is True
     x = torch.randn(17, in_features) * torch.rand(17, 1) * 10
     x[:, 0] *= 30  # an outlier channel, as real activations have
     x[3] = 0  # a row of zeros
@@ -55,9 +79,27 @@ def layer_weight(layer):
     return qweight.float() * scale[:, None]
 
 
-def test_int8_weights_round_trip_and_rows_are_taken_as_quantized():
+def test_every_instruction_set_of_the_compiled_kernel_gives_the_same_bits(kernel):
+    if kernel == "fbgemm":
+        pytest.skip("one kernel of fbgemm's per CPU")
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(200, 70, bias=True))
+    x = torch.randn(11, 200) * 5
+    isas = ["plain"] + (["avx2"] if compiled_ops().int8_isa() != "plain" else []) + ["auto"]
+    results = []
+    for isa in isas:
+        layer.isa = isa
+        results.append(layer(x))
+    assert all(torch.equal(result, results[0]) for result in results), isas
+    qweight, scale = layer.int8_weights()  # and each is the exact integer product, scaled
+    q = torch.round(x * (127 / x.abs().amax(-1, keepdim=True))).clamp(-127, 127)
+    exact = (q.double() @ qweight.double().T).float() * ((x.abs().amax(-1, keepdim=True) / 127) * scale)
+    assert torch.equal(results[0], exact + layer.bias)
+
+
+def test_int8_weights_round_trip_and_rows_are_taken_as_quantized(kernel):
     layer = Int8Linear(torch.nn.Linear(24, 70000, bias=True))  # more rows than one fbgemm block
-    assert len(layer.packs) == 3
+    assert len(layer.packs) == 3 if kernel == "fbgemm" else layer.packed.shape == (70016 // 16, 24 // 4, 16, 4)
     qweight, scale = layer.int8_weights()
     again = Int8Linear.from_int8(qweight, scale, layer.bias)
     x = torch.randn(3, 24)

@@ -39,6 +39,8 @@ def fused(*layers: nn.Linear) -> nn.Linear:
     bias = first.bias is not None
     out = sum(layer.out_features for layer in layers)
     layer = nn.Linear(first.in_features, out, bias=bias, device=first.weight.device, dtype=first.weight.dtype)
+    if first.weight.is_meta:  # a skeleton (torch.cat on "meta" would import torch._dynamo: seconds)
+        return layer
     layer.weight = nn.Parameter(torch.cat([part.weight.detach() for part in layers]), requires_grad=False)
     if bias:
         layer.bias = nn.Parameter(torch.cat([part.bias.detach() for part in layers]), requires_grad=False)
@@ -161,8 +163,12 @@ class DecoderOnlyLM(nn.Module):
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        nn.init.normal_(self.embed_tokens.weight, std=0.02)  # small, so blocks shape the output
+        if torch.empty(0).is_meta:  # a skeleton (under a device context, normal_ imports torch._dynamo: seconds)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size,
+                                                                                                 cfg.hidden_size))
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            nn.init.normal_(self.embed_tokens.weight, std=0.02)  # small, so blocks shape the output
         self.layers = nn.ModuleList(self.new_block(cfg, index) for index in range(cfg.num_layers))
         self.norm = self.new_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

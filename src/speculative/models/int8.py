@@ -70,16 +70,17 @@ def cache_directory(path: Path) -> Path:
     return cache_root() / "int8" / f"{path.resolve().name}-{digest.hexdigest()[:16]}"
 
 
-def load_cached(path: Path, cfg: DecoderOnlyConfig, read_float, progress: bool = True) -> DecoderOnlyLM:
+def load_cached(path: Path, cfg: DecoderOnlyConfig, float_reader, progress: bool = True) -> DecoderOnlyLM:
     """The int8 model of a checkpoint: from the cache when it holds it whole, else quantized
-    from `read_float(name)` (the float weights of the fused model's layers) and cached."""
+    from `float_reader()(name)` (the float weights of the fused model's layers; made only
+    when needed: smoothing tokenizes its calibration text) and cached."""
     directory = cache_directory(path)
     if _complete(directory):
         try:
             return _read(directory, cfg)
         except (OSError, ValueError, KeyError, RuntimeError) as error:  # damaged after it was written
             log.warning("the int8 cache %s is unreadable (%s): rebuilding it", directory, error)
-    return _quantize_and_write(directory, cfg, read_float, progress)
+    return _quantize_and_write(directory, cfg, float_reader(), progress)
 
 
 def _skeleton(cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
@@ -154,12 +155,23 @@ def _read(directory: Path, cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
                 for name in names:
                     module = model.get_submodule(name)
                     if isinstance(module, nn.Embedding):
-                        _replace(model, name, Int8Embedding(stored(f"{name}.qweight"), stored(f"{name}.scale")))
+                        _replace(model, name, Int8Embedding(_mapped(directory / f"{stem}.safetensors", f"{name}.qweight"),
+                                                            stored(f"{name}.scale")))
                     elif not isinstance(module, Int8Linear):
                         for leaf, _ in list(module.named_parameters(recurse=False)):
                             setattr(module, leaf, nn.Parameter(stored(f"{name}.{leaf}"), requires_grad=False))
     release_freed_memory()
     return model.eval()
+
+
+def _mapped(file: Path, key: str) -> torch.Tensor:
+    """A tensor that stays a view of the file: only the pages read become resident (an
+    embedding table, of which a request reads a few rows). Its own mapping, so that pages
+    other tensors of the file were read through are not kept."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as mapped:
+        return mapped.get_tensor(key)
 
 
 def release_freed_memory() -> None:

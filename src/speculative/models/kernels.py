@@ -90,19 +90,20 @@ def pack_linears(model: nn.Module, keep_weight: nn.Module | None = None) -> int:
 
 class Int8Linear(nn.Module):
     """y ~ x W^T + b with W in int8 per output channel and each row of x quantized to int8
-    on its own (fbgemm's dynamic quantized linear), so that a row's result never depends
-    on the other rows of the call: width-invariant, bit for bit.
+    on its own, so that a row's result never depends on the other rows of the call:
+    width-invariant, bit for bit (tests/test_int8.py). Per-token activation scales with
+    per-channel weight scales: the W8A8 scheme of SmoothQuant.
 
-    fbgemm quantizes the whole input with one scale and zero point, taken from the input's
-    minimum and maximum, so on its own a token's result would depend on the tokens verified
-    beside it. Each row is divided by its absolute maximum (it then spans at most [-1, 1]),
-    two constant columns +1 and -1 with zero weights are appended (every call's input then
-    spans exactly [-1, 1], so every call gets the same scale and zero point), and each output
-    row is multiplied back by its maximum: per-token activation scales with per-channel
-    weight scales (the W8A8 scheme of SmoothQuant), at fbgemm's speed. The int32 sums are
-    exact and the rest is element-wise, so the rows of a call of any width get the bits
-    they get alone (tests/test_int8.py). Multiplying and adding are separate operations, as
-    a fused multiply-add could round the vectorized elements and the remainder differently.
+    Two kernels, one per process (`int8_kernel.compiled_ops`): our compiled one
+    (`csrc/int8_matmul.cpp`: rows quantized symmetrically, absolute maximum at 127), or, where
+    it cannot be built, fbgemm's dynamic quantized linear. fbgemm quantizes the whole input
+    with one scale and zero point, so each row is divided by its absolute maximum (it then
+    spans at most [-1, 1]), two constant columns +1 and -1 with zero weights are appended
+    (every call's input then spans exactly [-1, 1], so every call gets the same scale and
+    zero point), and each output row is multiplied back by its maximum. Multiplying and
+    adding are separate operations, as a fused multiply-add could round the vectorized
+    elements and the remainder differently. The two kernels round differently: a model
+    gives the same bits within a process, not across kernels.
     """
 
     def __init__(self, linear: nn.Module):
@@ -118,7 +119,18 @@ class Int8Linear(nn.Module):
         return layer
 
     def _pack(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        from .int8_kernel import compiled_ops
+
         self.out_features, self.in_features = qweight.shape
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
+        ops = compiled_ops()
+        self.kernel = "fbgemm" if ops is None else "compiled"
+        self.isa = "auto"  # the compiled kernel's instruction set: auto (the best here), vnni, avx2, plain
+        if ops is not None:  # a copy in the kernel's layout (so the weights may be a view of a file)
+            self.packed, self.wsum = ops.int8_pack(qweight.to(torch.int8).cpu())
+            self.wscale = torch.zeros(len(self.wsum))
+            self.wscale[:self.out_features] = scale.float().cpu()
+            return
         # The constant columns +1 and -1, then zeros to a multiple of 8 columns (fbgemm
         # runs some shapes with a ragged K several times slower), all with zero weights.
         extra = -(-(self.in_features + 2) // 8) * 8 - self.in_features
@@ -132,12 +144,13 @@ class Int8Linear(nn.Module):
                     torch.cat([rows.cpu(), ends], 1), scale[start:start + PACK_ROWS].double().cpu(),
                     torch.zeros(len(rows), dtype=torch.long), 0)
                 self.packs.append(torch.ops.quantized.linear_prepack(quantized, None))
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
         self.register_buffer("ends", torch.tensor([1.0, -1.0] + [0.0] * (extra - 2)), persistent=False)
         self.reduce_range = reduce_range()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == torch.float32 else x.float()
+        if self.kernel == "compiled":
+            return torch.ops.speculative_kernels.int8_linear(x, self.packed, self.wscale, self.wsum, self.bias, self.out_features, self.isa)
         peak = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)  # (..., 1)
         spanned = torch.cat([x / peak, self.ends.expand(*x.shape[:-1], -1)], -1)  # (..., K + extra), in [-1, 1]
         parts = [torch.ops.quantized.linear_dynamic(spanned, packed, self.reduce_range) for packed in self.packs]
@@ -146,6 +159,11 @@ class Int8Linear(nn.Module):
 
     def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 weights (N, K), per-channel scales (N,)), as packed (to save, or to take rows from)."""
+        if self.kernel == "compiled":
+            groups, steps, rows, four = self.packed.shape
+            unpacked = self.packed.permute(0, 2, 1, 3).reshape(groups * rows, steps * four)
+            return (unpacked[:self.out_features, :self.in_features].contiguous(),
+                    self.wscale[:self.out_features].clone())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             parts = [torch.ops.quantized.linear_unpack(packed)[0] for packed in self.packs]
@@ -159,7 +177,7 @@ class Int8Linear(nn.Module):
         return Int8Linear.from_int8(qweight[ids], scale[ids], None if self.bias is None else self.bias[ids])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.kernel})"
 
 
 class Int8Embedding(nn.Module):

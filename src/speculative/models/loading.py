@@ -118,7 +118,7 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         model = load_native(path, native, device, torch_dtype, int8)
         if not int8:
             prepare(model)
-        model.tokenizer = _hf_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
+        model.tokenizer = _checkpoint_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
         return model
     return _load_transformers(path, device, torch_dtype, prepare)
 
@@ -248,7 +248,11 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
                     raise FileNotFoundError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): the model "
                                             "works on token ids without one, but text in or out needs one; add the "
                                             "tokenizer's files to that directory")
-                return _hf_tokenizer(path)
+                try:  # the tokenizer the model loads with (load_model)
+                    native = native_config(read_config(config)) is not None
+                except (KeyError, TypeError, ValueError):
+                    native = False
+                return _checkpoint_tokenizer(path, generation_eos(path)) if native else _hf_tokenizer(path)
         raise FileNotFoundError(f"no tokenizer found in {path} or its parent")
     return _hf_tokenizer(path)
 
@@ -305,6 +309,11 @@ def _builtin_tokenizer(path: Path) -> TextTokenizer:
     except Exception as error:  # tokenizers raises a bare Exception
         raise ValueError(f"{path} is not a tokenizer file tokenizers can read: {error}") from None
     return TextTokenizer(backend, name=str(path))
+
+
+def _checkpoint_tokenizer(path: Path, eos: list[int] | None = None) -> TextTokenizer:
+    """A checkpoint's tokenizer: from tokenizer.json without transformers where there is one."""
+    return TextTokenizer.from_checkpoint(path, eos) if (path / "tokenizer.json").is_file() else _hf_tokenizer(path, eos)
 
 
 def _hf_tokenizer(path: Path, eos: list[int] | None = None) -> TextTokenizer:

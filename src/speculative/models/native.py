@@ -114,14 +114,7 @@ def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, 
     if int8:
         if torch.device(device).type != "cpu":
             raise ValueError(f"int8 models run on CPUs (fbgemm), not on {device}")
-        read = checkpoint_reader(path, cfg)
-        chunks = calibration_ids(path)
-        if chunks is None:
-            log.info("%s: no tokenizer.json, so no calibration text: int8 without smoothing", path)
-        else:
-            with torch.device("meta"):
-                read = SmoothedReader(read, model_class(cfg)(cfg).fuse(), chunks)
-        return load_cached(path, cfg, read, progress)
+        return load_cached(path, cfg, lambda: _smoothed_reader(path, cfg), progress)
     read = checkpoint_reader(path, cfg, dtype)
     with torch.device("meta"):
         model = model_class(cfg)(cfg).fuse()
@@ -144,6 +137,17 @@ def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, 
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def _smoothed_reader(path: Path, cfg: DecoderOnlyConfig):
+    """read(name) of the float weights, smoothed for int8 where calibration text can be tokenized."""
+    read = checkpoint_reader(path, cfg)
+    chunks = calibration_ids(path)
+    if chunks is None:
+        log.info("%s: no tokenizer.json, so no calibration text: int8 without smoothing", path)
+        return read
+    with torch.device("meta"):
+        return SmoothedReader(read, model_class(cfg)(cfg).fuse(), chunks)
 
 
 def checkpoint_reader(path: Path, cfg: DecoderOnlyConfig, dtype: torch.dtype = torch.float32):

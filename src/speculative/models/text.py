@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 class TextTokenizer:
     """Wraps a transformers tokenizer or a `tokenizers.Tokenizer`.
@@ -20,6 +23,30 @@ class TextTokenizer:
         self.eos_token_ids = list(eos_token_ids)
         # A Jinja chat template that replaces the tokenizer's own (None: its own, if any).
         self.chat_template: str | None = None
+        self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ...: what chat templates may write
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, eos_token_ids: list[int] | None = None) -> "TextTokenizer":
+        """A transformers checkpoint's tokenizer read by `tokenizers` alone, from tokenizer.json,
+        tokenizer_config.json and chat_template.jinja: the same ids and texts as transformers'
+        fast tokenizer (tests/test_text.py), without importing transformers (seconds of a start)."""
+        from tokenizers import Tokenizer
+
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        tokenizer = cls(Tokenizer.from_file(str(path / "tokenizer.json")), name=str(path), eos_token_ids=[])
+        special = {key: value if isinstance(value, str) else value.get("content") for key, value in config.items()
+                   if key.endswith("_token") and isinstance(value, (str, dict))}
+        tokenizer.special_tokens = {key: value for key, value in special.items() if isinstance(value, str)}
+        if eos_token_ids is None:
+            eos = tokenizer.backend.token_to_id(special.get("eos_token") or "")
+            eos_token_ids = [] if eos is None else [eos]
+        tokenizer.eos_token_ids = list(eos_token_ids)
+        template_file = path / "chat_template.jinja"
+        tokenizer.chat_template = (template_file.read_text() if template_file.is_file()
+                                   else config.get("chat_template") if isinstance(config.get("chat_template"), str)
+                                   else None)
+        return tokenizer
 
     def __len__(self) -> int:
         return len(self.backend) if self.is_hf else self.backend.get_vocab_size()
@@ -72,7 +99,8 @@ class TextTokenizer:
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = raise_exception
         template = environment.from_string(self.chat_template)
-        return self.encode(template.render(messages=messages, add_generation_prompt=generation_prompt))
+        text = template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special_tokens)
+        return self.backend.encode(text, add_special_tokens=False).ids  # the template writes them itself
 
 
 def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:

@@ -1,0 +1,266 @@
+// Width-invariant int8 matrix products for CPUs: y = x W^T (+ b) with W in int8 (a float scale
+// per output row) and each row of x quantized to int8 on its own (a float scale per row, its
+// absolute maximum at 127). Every output element is one exact int32 sum and the same float
+// operations, computed by one thread whatever the number of rows in the call, so a row gets
+// the same bits alone or among others, and the same bits on every instruction set below
+// (AVX512-VNNI, AVX2, plain C++).
+//
+// Weights are packed by groups of 16 output rows: for each 4 input columns, 64 bytes that hold
+// the 4 weights of each of the 16 rows (row-major within). One 64-byte load then feeds 16 sums
+// at once (VNNI's dpbusd: 16 lanes, each 4 products), so the output needs no horizontal
+// reduction and the weights stream from memory in order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 16;   // output rows per packed group
+constexpr int kGroups = 2;   // groups per tile (one pass over their weights)
+constexpr int kTokens = 8;   // input rows per pass
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in the weight stream
+
+// Each row of x (M, K) to int8 at scale absmax / 127, into q (M, Kp) (zeros past K).
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* scale) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    int8_t* out = q + m * Kp;
+    float peak = 0.f;
+    for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+    std::fill(out, out + Kp, int8_t(0));
+    if (!(peak > 0.f) || !std::isfinite(peak)) {  // zeros give 0; inf or nan give nan, as a float product would
+      scale[m] = peak == 0.f ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float inverse = 127.f / peak;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(row[k] * inverse);
+      out[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+    scale[m] = peak / 127.f;
+  }
+}
+
+// sums[t][g * 16 + r] = sum over k of q[t][k] * W[row r of group g][k], exactly.
+template <int T>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tile_vnni(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int32_t* sums) {
+  __m512i acc[T][kGroups];
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < kGroups; ++g) acc[t][g] = _mm512_setzero_si512();
+  const int64_t group_bytes = Kp * kGroup;
+  for (int64_t k = 0; k < Kp; k += 4) {
+    __m512i wv[kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      const int8_t* at = w + g * group_bytes + k * kGroup;
+      wv[g] = _mm512_loadu_si512(at);
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+    }
+    for (int t = 0; t < T; ++t) {
+      int32_t four;
+      std::memcpy(&four, q + t * Kp + k, 4);
+      // q + 128 as unsigned bytes (VNNI multiplies unsigned by signed); 128 * sum(w) comes off below.
+      const __m512i xv = _mm512_set1_epi32(four ^ int32_t(0x80808080u));
+      for (int g = 0; g < kGroups; ++g) acc[t][g] = _mm512_dpbusd_epi32(acc[t][g], xv, wv[g]);
+    }
+  }
+  for (int g = 0; g < kGroups; ++g) {
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kGroup), 7);
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_si512(sums + t * kGroup * kGroups + g * kGroup, _mm512_sub_epi32(acc[t][g], offset));
+  }
+}
+
+template <int T>
+__attribute__((target("avx2")))
+void tile_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int32_t* sums) {
+  constexpr int kHalves = kGroups * 2;  // 8 rows per 256-bit half
+  __m256i acc[T][kHalves];
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < kHalves; ++h) acc[t][h] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t group_bytes = Kp * kGroup;
+  for (int64_t k = 0; k < Kp; k += 4) {
+    __m256i wv[kHalves], wabs[kHalves];
+    for (int h = 0; h < kHalves; ++h) {
+      const int8_t* at = w + (h / 2) * group_bytes + k * kGroup + (h % 2) * 32;
+      wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+      wabs[h] = _mm256_abs_epi8(wv[h]);
+    }
+    for (int t = 0; t < T; ++t) {
+      int32_t four;
+      std::memcpy(&four, q + t * Kp + k, 4);
+      const __m256i xv = _mm256_set1_epi32(four);
+      for (int h = 0; h < kHalves; ++h) {
+        // |w| * (x with w's sign): pairs of products of at most 127 * 127, no int16 overflow.
+        const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, wv[h]));
+        acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < kHalves; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + t * kGroup * kGroups + h * 8), acc[t][h]);
+}
+
+template <int T>
+void tile_plain(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int32_t* sums) {
+  const int64_t group_bytes = Kp * kGroup;
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < kGroups; ++g)
+      for (int r = 0; r < kGroup; ++r) {
+        int32_t dot = 0;
+        for (int64_t k = 0; k < Kp; ++k) dot += int32_t(q[t * Kp + k]) * int32_t(w[g * group_bytes + (k / 4) * 64 + r * 4 + k % 4]);
+        sums[t * kGroup * kGroups + g * kGroup + r] = dot;
+      }
+}
+
+enum class Isa : int64_t { plain = 0, avx2 = 1, vnni = 2 };
+
+Isa best_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return Isa::vnni;
+    if (__builtin_cpu_supports("avx2")) return Isa::avx2;
+    return Isa::plain;
+  }();
+  return isa;
+}
+
+using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, const int32_t*, int32_t*);
+
+template <template <int> class F> struct Unused {};
+
+#define TILES(NAME) {NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>}
+
+TileFn tile_for(Isa isa, int tokens) {
+  static const TileFn vnni[] = TILES(tile_vnni);
+  static const TileFn avx2[] = TILES(tile_avx2);
+  static const TileFn plain[] = TILES(tile_plain);
+  return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[tokens - 1];
+}
+
+Isa isa_named(const std::string& name) {
+  const Isa best = best_isa();
+  if (name == "auto") return best;
+  if (name == "plain") return Isa::plain;
+  if (name == "avx2") {
+    TORCH_CHECK(best != Isa::plain, "int8_linear: this CPU has no AVX2");
+    return Isa::avx2;
+  }
+  if (name == "vnni") {
+    TORCH_CHECK(best == Isa::vnni, "int8_linear: this CPU has no AVX512-VNNI");
+    return Isa::vnni;
+  }
+  TORCH_CHECK(false, "int8_linear: unknown instruction set '", name, "'; allowed: auto, plain, avx2, vnni");
+}
+
+}  // namespace
+
+// x (..., K) float32; packed (N_pad / 16, K_pad / 4, 16, 4) int8 (pack_int8 below); scale and
+// wsum (N_pad,) float32 and int32 (the rows' sums); bias (N,) float32 or none. -> (..., N) float32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& wsum,
+                       const c10::optional<at::Tensor>& bias, int64_t N, const std::string& isa_name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
+              wsum.scalar_type() == at::kInt, "int8_linear: float32 x, int8 packed weights, float32 scale, int32 wsum");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.is_contiguous(),
+              "int8_linear: packed weights must be contiguous (N/16, K/4, 16, 4)");
+  const int64_t Np = packed.size(0) * kGroup, Kp = packed.size(1) * 4, K = x.size(-1);
+  TORCH_CHECK(K <= Kp && Kp - K < 4 && N <= Np && Np - N < kGroup * kGroups, "int8_linear: x has ", K,
+              " columns and N = ", N, "; the packed weights hold ", Np, " x ", Kp);
+  TORCH_CHECK(Np % (kGroup * kGroups) == 0 && scale.numel() == Np && wsum.numel() == Np, "int8_linear: bad padding");
+  const Isa isa = isa_named(isa_name);
+  const at::Tensor flat = x.reshape({-1, K}).contiguous();
+  const int64_t M = flat.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> q(M * Kp);
+  std::vector<float> xscale(M);
+  quantize_rows(flat.data_ptr<float>(), M, K, Kp, q.data(), xscale.data());
+  const int8_t* wdata = packed.data_ptr<int8_t>();
+  const float* wscale = scale.data_ptr<float>();
+  const int32_t* sums_of_rows = wsum.data_ptr<int32_t>();
+  const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  float* out = y.data_ptr<float>();
+  constexpr int64_t kTile = kGroup * kGroups;
+  const int64_t tiles = Np / kTile;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    int32_t sums[kTokens * kTile];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTile;
+      for (int64_t m0 = 0; m0 < M; m0 += kTokens) {
+        const int tokens = static_cast<int>(std::min<int64_t>(kTokens, M - m0));
+        tile_for(isa, tokens)(q.data() + m0 * Kp, Kp, wdata + n0 * Kp, sums_of_rows + n0, sums);
+        for (int t = 0; t < tokens; ++t) {
+          const float xs = xscale[m0 + t];
+          float* row = out + (m0 + t) * N;
+          for (int64_t r = 0; r < kTile && n0 + r < N; ++r) {
+            const float v = static_cast<float>(sums[t * kTile + r]) * (xs * wscale[n0 + r]);
+            row[n0 + r] = b ? v + b[n0 + r] : v;
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// weight (N, K) int8 -> (packed (N_pad / 16, K_pad / 4, 16, 4), row sums (N_pad,) int32), zero-padded
+// to whole tiles of rows and to a multiple of 4 columns.
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "int8_pack: weight must be (N, K) int8");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  constexpr int64_t kTile = kGroup * kGroups;
+  const int64_t Np = (N + kTile - 1) / kTile * kTile, Kp = (K + 3) / 4 * 4;
+  at::Tensor packed = at::empty({Np / kGroup, Kp / 4, kGroup, 4}, w.options());
+  at::Tensor wsum = at::empty({Np}, w.options().dtype(at::kInt));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sums = wsum.data_ptr<int32_t>();
+  at::parallel_for(0, Np / kGroup, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> rows(kGroup * Kp);  // the group's rows, zero-padded
+    for (int64_t g = begin; g < end; ++g) {
+      std::fill(rows.begin(), rows.end(), int8_t(0));
+      for (int r = 0; r < kGroup; ++r) {
+        const int64_t n = g * kGroup + r;
+        int32_t sum = 0;
+        if (n < N) {
+          std::memcpy(rows.data() + r * Kp, src + n * K, K);
+          for (int64_t k = 0; k < K; ++k) sum += src[n * K + k];
+        }
+        sums[n] = sum;
+      }
+      int8_t* out = dst + g * Kp * kGroup;
+      for (int64_t k = 0; k < Kp; k += 4)
+        for (int r = 0; r < kGroup; ++r, out += 4) std::memcpy(out, rows.data() + r * Kp + k, 4);
+    }
+  });
+  return {packed, wsum};
+}
+
+std::string int8_isa() {
+  switch (best_isa()) {
+    case Isa::vnni: return "vnni";
+    case Isa::avx2: return "avx2";
+    default: return "plain";
+  }
+}
+
+TORCH_LIBRARY(speculative_kernels, m) {
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor wsum, Tensor? bias, int n, str isa) -> Tensor",
+        &int8_linear);
+  m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)", &int8_pack);
+  m.def("int8_isa() -> str", &int8_isa);
+}
