@@ -113,7 +113,7 @@ def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, 
     marked `keep_float32` (Gemma's norms) stay float32."""
     if int8:
         if torch.device(device).type != "cpu":
-            raise ValueError(f"int8 models run on CPUs (fbgemm), not on {device}")
+            raise ValueError(f"int8 models run on CPUs, not on {device}")
         return load_cached(path, cfg, lambda: _smoothed_reader(path, cfg), progress)
     read = checkpoint_reader(path, cfg, dtype)
     with torch.device("meta"):
