@@ -175,6 +175,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const c10::optional<at::Tensor>& bias, int64_t N, const std::string& isa_name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
               wsum.scalar_type() == at::kInt, "int8_linear: float32 x, int8 packed weights, float32 scale, int32 wsum");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "int8_linear runs on CPUs");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.is_contiguous(),
               "int8_linear: packed weights must be contiguous (N/16, K/4, 16, 4)");
   const int64_t Np = packed.size(0) * kGroup, Kp = packed.size(1) * 4, K = x.size(-1);
@@ -200,12 +201,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* out = y.data_ptr<float>();
   constexpr int64_t kTile = kGroup * kGroups;
   const int64_t tiles = Np / kTile;
+  // AVX2 has 16 vector registers: 4 rows' sums (2 each) beside the weights' 4 and 2 constants.
+  const int64_t pass = isa == Isa::avx2 ? 4 : kTokens;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     int32_t sums[kTokens * kTile];
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kTile;
-      for (int64_t m0 = 0; m0 < M; m0 += kTokens) {
-        const int tokens = static_cast<int>(std::min<int64_t>(kTokens, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
         tile_for(isa, tokens)(q.data() + m0 * Kp, Kp, wdata + n0 * Kp, sums_of_rows + n0, sums);
         for (int t = 0; t < tokens; ++t) {
           const float xs = xscale[m0 + t];
