@@ -9,8 +9,8 @@ import pytest
 
 from speculative.models.text import TextTokenizer
 
-TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — 你好 🙂", "<s> special </s> in text", "  leading spaces", "",
-         (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:3000]]
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — 你好 🙂", "<s> special </s> in text", "  leading spaces",
+         "", (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:3000]]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort this."},
             {"role": "assistant", "content": "sorted(x)"}, {"role": "user", "content": "Thanks"}]
 # A template that writes the start token itself, as Gemma's does.

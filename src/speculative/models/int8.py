@@ -155,8 +155,8 @@ def _read(directory: Path, cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
                 for name in names:
                     module = model.get_submodule(name)
                     if isinstance(module, nn.Embedding):
-                        _replace(model, name, Int8Embedding(_mapped(directory / f"{stem}.safetensors", f"{name}.qweight"),
-                                                            stored(f"{name}.scale")))
+                        table = _mapped(directory / f"{stem}.safetensors", f"{name}.qweight")
+                        _replace(model, name, Int8Embedding(table, stored(f"{name}.scale")))
                     elif not isinstance(module, Int8Linear):
                         for leaf, _ in list(module.named_parameters(recurse=False)):
                             setattr(module, leaf, nn.Parameter(stored(f"{name}.{leaf}"), requires_grad=False))

@@ -150,7 +150,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == torch.float32 else x.float()
         if self.kernel == "compiled":
-            return torch.ops.speculative_kernels.int8_linear(x, self.packed, self.wscale, self.wsum, self.bias, self.out_features, self.isa)
+            return torch.ops.speculative_kernels.int8_linear(x, self.packed, self.wscale, self.wsum, self.bias,
+                                                             self.out_features, self.isa)
         peak = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)  # (..., 1)
         spanned = torch.cat([x / peak, self.ends.expand(*x.shape[:-1], -1)], -1)  # (..., K + extra), in [-1, 1]
         parts = [torch.ops.quantized.linear_dynamic(spanned, packed, self.reduce_range) for packed in self.packs]
