@@ -25,9 +25,8 @@
 namespace {
 
 constexpr int kGroup = 16;   // output rows per packed group
-// One group per tile and a prefetch 1 KB ahead measured best of {1, 2, 4} groups and
-// {0, 1, 2, 4} KB on a Zen 4 (Qwen2.5-Coder 1.5B's products: 37 ms at 1 row, 52 at 5).
-constexpr int kGroups = 1;   // groups per tile (one pass over their weights)
+// A tile is one group: 1, 2 or 4 groups per pass over the weights and prefetches of 0, 1, 2 or
+// 4 KB were measured on a Zen 4; one group with 1 KB was best (Qwen2.5-Coder 1.5B: 37 ms a row).
 constexpr int kTokens = 16;  // input rows per pass (Qwen 1.5B, 9 rows: 105 ms in one pass, 122 in two)
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in the weight stream
 
@@ -52,57 +51,44 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
   }
 }
 
-// sums[t][g * 16 + r] = sum over k of q[t][k] * W[row r of group g][k], exactly. Here q holds
-// q + 128 as unsigned bytes (VNNI multiplies unsigned by signed); 128 * sum(w) comes off below.
+// sums[t][r] = sum over k of q[t][k] * W[row r of the group][k], exactly. Here q holds q + 128
+// as unsigned bytes (VNNI multiplies unsigned by signed); 128 * sum(w) comes off at the end.
 template <int T>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 void tile_vnni(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int32_t* sums) {
-  __m512i acc[T][kGroups];
-  for (int t = 0; t < T; ++t)
-    for (int g = 0; g < kGroups; ++g) acc[t][g] = _mm512_setzero_si512();
-  const int64_t group_bytes = Kp * kGroup;
+  __m512i acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 4) {
-    __m512i wv[kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      const int8_t* at = w + g * group_bytes + k * kGroup;
-      wv[g] = _mm512_loadu_si512(at);
-      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
-    }
+    const int8_t* at = w + k * kGroup;
+    const __m512i wv = _mm512_loadu_si512(at);
+    _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
     for (int t = 0; t < T; ++t) {
       int32_t four;
       std::memcpy(&four, q + t * Kp + k, 4);
-      const __m512i xv = _mm512_set1_epi32(four);  // a broadcast from memory
-      for (int g = 0; g < kGroups; ++g) acc[t][g] = _mm512_dpbusd_epi32(acc[t][g], xv, wv[g]);
+      acc[t] = _mm512_dpbusd_epi32(acc[t], _mm512_set1_epi32(four), wv);  // a broadcast from memory
     }
   }
-  for (int g = 0; g < kGroups; ++g) {
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * kGroup), 7);
-    for (int t = 0; t < T; ++t)
-      _mm512_storeu_si512(sums + t * kGroup * kGroups + g * kGroup, _mm512_sub_epi32(acc[t][g], offset));
-  }
+  const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
+  for (int t = 0; t < T; ++t) _mm512_storeu_si512(sums + t * kGroup, _mm512_sub_epi32(acc[t], offset));
 }
 
 template <int T>
 __attribute__((target("avx2")))
 void tile_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int32_t* sums) {
-  constexpr int kHalves = kGroups * 2;  // 8 rows per 256-bit half
-  __m256i acc[T][kHalves];
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < kHalves; ++h) acc[t][h] = _mm256_setzero_si256();
+  __m256i acc[T][2];  // rows 0-7 and 8-15 of the group
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t group_bytes = Kp * kGroup;
   for (int64_t k = 0; k < Kp; k += 4) {
-    __m256i wv[kHalves], wabs[kHalves];
-    for (int h = 0; h < kHalves; ++h) {
-      const int8_t* at = w + (h / 2) * group_bytes + k * kGroup + (h % 2) * 32;
-      wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    __m256i wv[2], wabs[2];
+    for (int h = 0; h < 2; ++h) {
+      wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kGroup + h * 32));
       wabs[h] = _mm256_abs_epi8(wv[h]);
     }
     for (int t = 0; t < T; ++t) {
       int32_t four;
       std::memcpy(&four, q + t * Kp + k, 4);
       const __m256i xv = _mm256_set1_epi32(four);
-      for (int h = 0; h < kHalves; ++h) {
+      for (int h = 0; h < 2; ++h) {
         // |w| * (x with w's sign): pairs of products of at most 127 * 127, no int16 overflow.
         const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, wv[h]));
         acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(pairs, ones));
@@ -110,20 +96,18 @@ void tile_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int h = 0; h < kHalves; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + t * kGroup * kGroups + h * 8), acc[t][h]);
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + t * kGroup + h * 8), acc[t][h]);
 }
 
 template <int T>
 void tile_plain(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int32_t* sums) {
-  const int64_t group_bytes = Kp * kGroup;
   for (int t = 0; t < T; ++t)
-    for (int g = 0; g < kGroups; ++g)
-      for (int r = 0; r < kGroup; ++r) {
-        int32_t dot = 0;
-        for (int64_t k = 0; k < Kp; ++k) dot += int32_t(q[t * Kp + k]) * int32_t(w[g * group_bytes + (k / 4) * 64 + r * 4 + k % 4]);
-        sums[t * kGroup * kGroups + g * kGroup + r] = dot;
-      }
+    for (int r = 0; r < kGroup; ++r) {
+      int32_t dot = 0;
+      for (int64_t k = 0; k < Kp; ++k) dot += int32_t(q[t * Kp + k]) * int32_t(w[(k / 4) * 64 + r * 4 + k % 4]);
+      sums[t * kGroup + r] = dot;
+    }
 }
 
 enum class Isa : int64_t { plain = 0, avx2 = 1, vnni = 2 };
@@ -139,7 +123,6 @@ Isa best_isa() {
 }
 
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, const int32_t*, int32_t*);
-
 
 #define TILES(NAME)                                                                                     \
   {NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>, NAME<9>, NAME<10>, NAME<11>, NAME<12>, \
@@ -169,7 +152,7 @@ Isa isa_named(const std::string& name) {
 
 }  // namespace
 
-// x (..., K) float32; packed (N_pad / 16, K_pad / 4, 16, 4) int8 (pack_int8 below); scale and
+// x (..., K) float32; packed (N_pad / 16, K_pad / 4, 16, 4) int8 (int8_pack below); scale and
 // wsum (N_pad,) float32 and int32 (the rows' sums); bias (N,) float32 or none. -> (..., N) float32.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& wsum,
                        const c10::optional<at::Tensor>& bias, int64_t N, const std::string& isa_name) {
@@ -179,9 +162,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.is_contiguous(),
               "int8_linear: packed weights must be contiguous (N/16, K/4, 16, 4)");
   const int64_t Np = packed.size(0) * kGroup, Kp = packed.size(1) * 4, K = x.size(-1);
-  TORCH_CHECK(K <= Kp && Kp - K < 4 && N <= Np && Np - N < kGroup * kGroups, "int8_linear: x has ", K,
+  TORCH_CHECK(K <= Kp && Kp - K < 4 && N <= Np && Np - N < kGroup, "int8_linear: x has ", K,
               " columns and N = ", N, "; the packed weights hold ", Np, " x ", Kp);
-  TORCH_CHECK(Np % (kGroup * kGroups) == 0 && scale.numel() == Np && wsum.numel() == Np, "int8_linear: bad padding");
+  TORCH_CHECK(Np % kGroup == 0 && scale.numel() == Np && wsum.numel() == Np, "int8_linear: bad padding");
   const Isa isa = isa_named(isa_name);
   const at::Tensor flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
@@ -199,22 +182,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int32_t* sums_of_rows = wsum.data_ptr<int32_t>();
   const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  constexpr int64_t kTile = kGroup * kGroups;
-  const int64_t tiles = Np / kTile;
+  const int64_t tiles = Np / kGroup;
   // AVX2 has 16 vector registers: 4 rows' sums (2 each) beside the weights' 4 and 2 constants.
   const int64_t pass = isa == Isa::avx2 ? 4 : kTokens;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    int32_t sums[kTokens * kTile];
+    int32_t sums[kTokens * kGroup];
     for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTile;
+      const int64_t n0 = tile * kGroup;
       for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
         tile_for(isa, tokens)(q.data() + m0 * Kp, Kp, wdata + n0 * Kp, sums_of_rows + n0, sums);
         for (int t = 0; t < tokens; ++t) {
           const float xs = xscale[m0 + t];
           float* row = out + (m0 + t) * N;
-          for (int64_t r = 0; r < kTile && n0 + r < N; ++r) {
-            const float v = static_cast<float>(sums[t * kTile + r]) * (xs * wscale[n0 + r]);
+          for (int64_t r = 0; r < kGroup && n0 + r < N; ++r) {
+            const float v = static_cast<float>(sums[t * kGroup + r]) * (xs * wscale[n0 + r]);
             row[n0 + r] = b ? v + b[n0 + r] : v;
           }
         }
@@ -225,13 +207,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 // weight (N, K) int8 -> (packed (N_pad / 16, K_pad / 4, 16, 4), row sums (N_pad,) int32), zero-padded
-// to whole tiles of rows and to a multiple of 4 columns.
+// to whole groups of 16 rows and to a multiple of 4 columns.
 std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "int8_pack: weight must be (N, K) int8");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  constexpr int64_t kTile = kGroup * kGroups;
-  const int64_t Np = (N + kTile - 1) / kTile * kTile, Kp = (K + 3) / 4 * 4;
+  const int64_t Np = (N + kGroup - 1) / kGroup * kGroup, Kp = (K + 3) / 4 * 4;
   at::Tensor packed = at::empty({Np / kGroup, Kp / 4, kGroup, 4}, w.options());
   at::Tensor wsum = at::empty({Np}, w.options().dtype(at::kInt));
   const int8_t* src = w.data_ptr<int8_t>();
