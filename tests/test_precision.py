@@ -38,7 +38,7 @@ def test_dtype_choice_and_reason(asked, features, expected, words):
 
 
 @pytest.mark.parametrize("asked, words", [
-    ("float64", "dtype 'float64' is not supported; allowed: auto, int8, float32, bfloat16, float16"),
+    ("float64", "dtype 'float64' is not supported; allowed: auto, int8, gguf, float32, bfloat16, float16"),
     ("bf16", "dtype 'bf16' is not supported"),
     (torch.int8, "dtype torch.int8 is not supported"),
     (3, "dtype 3 is not supported"),

@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger("speculative")
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_matmul.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp"]  # one library; csrc/isa.h shared
 CHOICES = ("auto", "compiled", "fbgemm")
 
 
@@ -41,16 +42,16 @@ def kernel_choice() -> str:
     return choice
 
 
-def compiled_ops():
+def compiled_ops(required: bool = False):
     """torch.ops.speculative_kernels, or None where the kernel is not wanted or cannot be built
-    (no compiler; the reason is logged). Raises when SPECULATIVE_INT8_KERNEL=compiled and it
-    cannot be built."""
+    (no compiler; the reason is logged). Raises when it cannot be built and SPECULATIVE_INT8_KERNEL
+    is `compiled` or it is `required` (the k-quant layers of `kquant.py`, which have no fallback)."""
     choice = kernel_choice()
-    if choice == "fbgemm":
+    if choice == "fbgemm" and not required:
         return None
     ops, reason = _load()
-    if ops is None and choice == "compiled":
-        raise RuntimeError(f"SPECULATIVE_INT8_KERNEL=compiled, but the int8 kernel cannot be built: {reason}")
+    if ops is None and (choice == "compiled" or required):
+        raise RuntimeError(f"the compiled kernels (models/csrc) cannot be built here: {reason}")
     return ops
 
 
@@ -89,7 +90,8 @@ def _build(compiler: str) -> Path:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     flags = _flags()
-    digest = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, version, *flags]).encode())
+    texts = [file.read_text() for file in [*SOURCES, CSRC / "isa.h"]]
+    digest = hashlib.sha256("\n".join([*texts, torch.__version__, version, *flags]).encode())
     root = Path(os.environ.get("SPECULATIVE_KERNEL_CACHE") or cache_root() / "kernels")
     library = root / f"int8_matmul-{digest.hexdigest()[:16]}" / "int8_matmul.so"
     if library.is_file():
@@ -97,7 +99,7 @@ def _build(compiler: str) -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_name(f"int8_matmul.{os.getpid()}.partial.so")  # concurrent builds do not collide
     torch_lib = Path(torch.__file__).parent / "lib"
-    command = [compiler, *flags, str(SOURCE), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+    command = [compiler, *flags, *map(str, SOURCES), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
     print(f"compiling the int8 kernel (once, about 15 s; cached in {library.parent})", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -31,7 +31,7 @@ from .head import HEAD_TYPE, load_head
 from .int8 import quantize_model
 from .kernels import int8_available, pack_linears, packing_available
 from .native import generation_eos, load_native, native_config
-from .precision import INT8, resolve_precision
+from .precision import GGUF, INT8, resolve_precision
 from .text import TextTokenizer
 
 log = logging.getLogger("speculative")
@@ -84,11 +84,14 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     CPUs, and fused projections in the built-in decoder (None: wherever available); a
     packed model is for inference only, so pass False to save or export it."""
     device = check_device(device)
-    resolve_precision(dtype if dtype != "auto" else "float32", device, int8_runs=True)  # a bad name, before loading
+    if dtype != GGUF:  # a bad name, before loading
+        resolve_precision(dtype if dtype != "auto" else "float32", device, int8_runs=True)
     path = resolve(name_or_path)
     if not path.is_dir() and not path.is_file():  # a device, pipe or socket
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
     config = _checked_directory(path) if path.is_dir() else {}
+    if dtype == GGUF:
+        return _load_kquant(path, config, device)
     weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
     int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))
     log.info("%s: %s", name_or_path, reason)
@@ -121,6 +124,15 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
         model.tokenizer = _checkpoint_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
         return model
     return _load_transformers(path, device, torch_dtype, prepare)
+
+
+def _load_kquant(path: Path, config: dict, device):
+    """A GGUF preset on its file's own k-quant blocks (`kquant.py`)."""
+    from .kquant import load_preset
+
+    model = load_preset(path, config, device)
+    model.tokenizer = _checkpoint_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
+    return model
 
 
 def _checked_directory(path: Path) -> dict:

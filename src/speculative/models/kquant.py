@@ -1,0 +1,235 @@
+"""k-quant models (`--dtype gguf`): every linear layer that a GGUF file stores in Q4_K or Q6_K
+blocks runs on those blocks as stored (`csrc/kquant_matmul.cpp`), with each token's
+activations in int8 per 256 columns; the rest as an int8 model's (`int8.py`), attention and
+norms in float32.
+
+Why: the weights are then the file's own (what llama.cpp computes with), read at 4.5-8 bits
+instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.13 GB a token against 1.54), and the
+kernel gives each token the same bits at any width, so speculative output is exactly this
+model's own one-token decoding. Layers of other types (Q5_0, Q8_0: most of Gemma 3 270M's
+file) are quantized to int8 from the float checkpoint, without smoothing.
+
+The float checkpoint (made from the same file by `presets.py`) supplies the norms, biases
+and input embeddings (a view of its file: only the rows read become resident); nothing is
+cached beyond the GGUF file itself: packing its blocks takes about a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
+from .int8 import _mapped, _replace, model_class, release_freed_memory
+from .kernels import Int8Linear
+
+log = logging.getLogger("speculative")
+
+# GGML type numbers the kernel runs -> bits per stored quant in its layout.
+KERNEL_TYPES = {12: 4, 14: 8}  # Q4_K, Q6_K
+# The GGUF tensors (llama.cpp's names) behind each linear layer of the fused decoder.
+GGUF_NAMES = {"o_proj": ("attn_output",), "down_proj": ("ffn_down",), "q_proj": ("attn_q",), "k_proj": ("attn_k",),
+              "v_proj": ("attn_v",), "gate_proj": ("ffn_gate",), "up_proj": ("ffn_up",)}
+
+
+class KQuantLinear(nn.Module):
+    """y ~ x W^T + b with W in k-quant blocks read from a GGUF file; width-invariant, bit for bit.
+    A fused layer whose parts have different types (Q4_K_M keeps some value projections in
+    Q6_K) runs one product per run of parts of one type."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int]], in_features: int, bias: torch.Tensor | None = None):
+        """`parts`: (rows of raw blocks (N_i, row bytes) uint8, GGML type), in output order."""
+        super().__init__()
+        from .int8_kernel import compiled_ops
+
+        ops = compiled_ops(required=True)
+        self.in_features = in_features
+        self.out_features = sum(len(raw) for raw, _ in parts)
+        self.isa = "auto"  # the instruction set: auto (the best here), vnni, avx2, plain
+        self.runs = []  # (packed blocks, bits, rows)
+        for kind in _runs(parts):
+            raw = np.concatenate([raw for raw, _ in kind]) if len(kind) > 1 else kind[0][0]
+            with warnings.catch_warnings():  # a read-only view of the file: packing only reads it
+                warnings.simplefilter("ignore")
+                blocks = torch.from_numpy(np.ascontiguousarray(raw))
+            packed = ops.kquant_pack(blocks, kind[0][1], in_features)
+            self.runs.append((packed, KERNEL_TYPES[kind[0][1]], len(raw)))
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == torch.float32 else x.float()
+        outputs, start = [], 0
+        for packed, bits, rows in self.runs:
+            bias = None if self.bias is None else self.bias[start:start + rows]
+            outputs.append(torch.ops.speculative_kernels.kquant_linear(x, packed, bits, bias, rows, self.isa))
+            start += rows
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(f"{'Q4_K' if bits == 4 else 'Q6_K'}" for _, bits, _ in self.runs)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
+
+
+def _runs(parts: list[tuple[np.ndarray, int]]) -> list[list[tuple[np.ndarray, int]]]:
+    """Consecutive parts of one type, together."""
+    runs = []
+    for part in parts:
+        if runs and runs[-1][-1][1] == part[1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # GGML's order: columns first
+    tensor_type: int  # GGML's type number
+    data: np.ndarray | None  # (rows, row bytes) uint8, a view of the file; None for types the kernel does not run
+
+
+# Bytes of the values that a GGUF key-value entry may hold, by type number (8: string, 9: array).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_BLOCK = {12: (256, 144), 14: (256, 210)}  # Q4_K, Q6_K: (columns, bytes) per block
+
+
+def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
+    """The tensors of a GGUF file (version 2 or 3), each k-quant one a view of the file. Only
+    the tensor index is parsed: gguf's GGUFReader also decodes every metadata entry (the
+    tokenizer's 150k strings: 9 s for Qwen2.5-Coder 1.5B)."""
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    header = _Header(memoryview(file))
+    if bytes(header.buffer[:4]) != b"GGUF" or header.take("I") not in (2, 3):
+        raise ValueError(f"{path} is not a GGUF file of version 2 or 3")
+    tensor_count, entry_count = header.take("Q"), header.take("Q")
+    alignment = 32
+    for _ in range(entry_count):
+        key, kind = header.string(), header.take("I")
+        if key == "general.alignment" and kind == 4:
+            alignment = header.take("I")
+        else:
+            header.skip(kind)
+    index = []
+    for _ in range(tensor_count):
+        name, dims = header.string(), header.take("I")
+        shape = tuple(header.take("Q") for _ in range(dims))
+        index.append((name, shape, header.take("I"), header.take("Q")))
+    start = -(-header.at // alignment) * alignment
+    tensors = {}
+    for name, shape, kind, offset in index:
+        data = None
+        if kind in _BLOCK and len(shape) == 2 and shape[0] % _BLOCK[kind][0] == 0:
+            row = shape[0] // _BLOCK[kind][0] * _BLOCK[kind][1]
+            data = file[start + offset:start + offset + row * shape[1]].reshape(shape[1], row)
+        tensors[name] = GGUFTensor(name, shape, kind, data)
+    return tensors
+
+
+class _Header:
+    """Reads a GGUF header's little-endian fields in order."""
+
+    def __init__(self, buffer: memoryview):
+        self.buffer, self.at = buffer, 4
+
+    def take(self, form: str):
+        value = struct.unpack_from("<" + form, self.buffer, self.at)[0]
+        self.at += struct.calcsize("<" + form)
+        return value
+
+    def string(self) -> str:
+        length = self.take("Q")
+        self.at += length
+        return bytes(self.buffer[self.at - length:self.at]).decode("utf-8", "replace")
+
+    def skip(self, kind: int) -> None:
+        """Past a metadata value of type `kind` (8: a string; 9: an array)."""
+        if kind == 8:
+            length = self.take("Q")  # (before `self.at +=`, which would read the position first)
+            self.at += length
+        elif kind == 9:
+            item, count = self.take("I"), self.take("Q")
+            if item in _SCALAR_BYTES:
+                self.at += _SCALAR_BYTES[item] * count
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            self.at += _SCALAR_BYTES[kind]
+
+
+def gguf_tensor_names(name: str, tensors) -> list[str]:
+    """The GGUF tensors behind linear layer `name` of the fused decoder (the output layer: the
+    file's `output.weight`, or its token embeddings where the two are tied)."""
+    if name == "lm_head":
+        return ["output.weight" if "output.weight" in tensors else "token_embd.weight"]
+    layer, leaf = name.split(".")[1], name.rpartition(".")[2]
+    parts = FUSED.get(leaf, (leaf,))
+    return [f"blk.{layer}.{GGUF_NAMES[part][0]}.weight" for part in parts]
+
+
+def load_preset(path: Path, config: dict, device) -> DecoderOnlyLM:
+    """A preset's checkpoint directory (config.json `config`) on the k-quant blocks of the GGUF
+    file it was made from; a clear error for anything else."""
+    from . import presets
+    from .native import checkpoint_reader, native_config
+
+    gguf = presets.source_gguf(path) if path.is_dir() else None
+    native = native_config(config) if gguf is not None else None
+    if gguf is None or native is None:
+        made = ", ".join(sorted([*presets.CHUNKED, presets.GEMMA]))
+        raise ValueError(f"dtype gguf runs a model made from a GGUF file by a preset ({made}); {path} is not one "
+                         "(use int8, auto, float32 or bfloat16)")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"dtype gguf runs on CPUs, not on {device}")
+    log.info("%s: gguf, as asked (the k-quant blocks of %s, int8 activations per 256 columns, float32 else)",
+             path, gguf)
+    return load_kquant(path, native, gguf, checkpoint_reader(path, native))
+
+
+def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> DecoderOnlyLM:
+    """The model of checkpoint `path` (made from the GGUF file `gguf`) with k-quant layers
+    where the file has them, int8 where not; `read_float(name)` reads the checkpoint."""
+    tensors = read_gguf_tensors(gguf)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg).fuse()
+    counts = {"k-quant": 0, "int8": 0}
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        bias = read_float(f"{name}.bias") if module.bias is not None else None
+        sources = [tensors.get(source) for source in gguf_tensor_names(name, tensors)]
+        if all(source is not None and source.tensor_type in KERNEL_TYPES and source.data is not None for source in sources):
+            _check_shapes(name, module, sources, gguf)
+            layer = KQuantLinear([(source.data, source.tensor_type) for source in sources], module.in_features,
+                                 bias)
+            counts["k-quant"] += 1
+        else:
+            layer = Int8Linear(SimpleNamespace(weight=read_float(f"{name}.weight"), bias=bias))
+            counts["int8"] += 1
+        _replace(model, name, layer)
+    file, key = read_float.location("embed_tokens.weight")
+    model.embed_tokens = nn.Embedding.from_pretrained(_mapped(file, key), freeze=True)
+    for name, parameter in list(model.named_parameters()):
+        if parameter.is_meta:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, nn.Parameter(read_float(name).float(), requires_grad=False))
+    log.info("%s: %d linear layers on the GGUF's k-quant blocks, %d in int8", path, counts["k-quant"],
+             counts["int8"])
+    release_freed_memory()
+    return model.eval()
+
+
+def _check_shapes(name: str, module: nn.Linear, sources, gguf: Path) -> None:
+    rows = sum(int(source.shape[1]) for source in sources)
+    if any(int(source.shape[0]) != module.in_features for source in sources) or rows != module.out_features:
+        raise ValueError(f"{gguf}: the tensors {[source.name for source in sources]} do not hold layer {name} "
+                         f"({module.out_features} x {module.in_features}): this file is not the checkpoint's source")

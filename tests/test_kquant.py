@@ -1,0 +1,295 @@
+"""k-quant models (`--dtype gguf`): a GGUF file's Q4_K and Q6_K blocks run as stored, each token's
+activations in int8 per 256 columns; width-invariant to the bit, so the model is its own
+reference for exactness, as an int8 model is (test_int8.py).
+
+The files here are small GGUF files written by gguf's own writer with random blocks, and
+float checkpoints holding what gguf's own reader dequantizes them to: the kernel's layout is
+checked against gguf's decoding, its products against an integer reference computed here,
+bit for bit, and whole models for width invariance, greedy identity and exact sampling.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
+from speculative.models.int8_kernel import compiled_ops
+from speculative.models.kernels import Int8Linear
+from speculative.models.kquant import KQuantLinear, load_kquant, read_gguf_tensors
+from speculative.models.native import checkpoint_reader, native_config
+from tests.test_int8 import WIDTHS, rows_alone, widths_agree
+from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, draw, exact_joint, g_test_pvalue
+
+gguf = pytest.importorskip("gguf")
+
+Q4_K, Q6_K, Q8_0 = 12, 14, 8
+ISAS = ["auto", "avx2", "plain"]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        return compiled_ops(required=True)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
+def random_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
+    """Rows of random Q4_K or Q6_K blocks, (rows, row bytes) uint8, with sane scales."""
+    rng = np.random.default_rng(seed)
+    blocks = rows * columns // 256
+    if kind == Q4_K:  # d, dmin (halves), 12 bytes of 6-bit scales and mins, 128 of nibbles
+        raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
+        d = rng.uniform(2e-4, 2e-3, blocks).astype(np.float16)
+        raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        raw[:, 2:4] = (d * 7.5).astype(np.float16).view(np.uint8).reshape(-1, 2)  # centred weights
+    else:  # 128 + 64 bytes of 6-bit quants, 16 int8 scales, d (half)
+        raw = rng.integers(0, 256, (blocks, 210), dtype=np.uint8)
+        raw[:, 192:208] = rng.integers(-40, 40, (blocks, 16)).astype(np.int8).view(np.uint8)
+        raw[:, 208:210] = rng.uniform(1e-4, 1e-3, blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+def dequantize(raw: np.ndarray, kind: int, columns: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind))).reshape(len(raw), columns)
+
+
+def unpack(packed: torch.Tensor, bits: int, rows: int):
+    """(quants, sub-block scales, mins, d, dmin) per row from the kernel's layout (see
+    csrc/kquant_matmul.cpp), each (rows, ...) in column order."""
+    groups, blocks, _ = packed.shape
+    subs = 8 if bits == 4 else 16
+    quant_bytes = 256 * 16 * bits // 8
+    chunks = packed[:, :, :quant_bytes].reshape(groups, blocks, -1, 16, 4)
+    if bits == 4:  # each chunk: 8 columns, the first 4 in low nibbles
+        quants = torch.stack([chunks & 15, chunks >> 4], 4).permute(0, 3, 1, 2, 4, 5)
+    else:
+        quants = chunks.permute(0, 3, 1, 2, 4)
+    by_pairs = lambda at: packed[:, :, at:at + subs * 16].view(torch.int8).reshape(  # noqa: E731
+        groups, blocks, subs // 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks * subs)[:rows]
+    scales = by_pairs(quant_bytes)
+    mins = by_pairs(quant_bytes + subs * 16) if bits == 4 else scales
+    at = quant_bytes + subs * 16 * (2 if bits == 4 else 1)
+    floats = packed[:, :, at:at + 128].contiguous().view(torch.float32).reshape(groups, blocks, 2, 16)
+    d, dmin = (floats[:, :, i].permute(0, 2, 1).reshape(groups * 16, blocks)[:rows] for i in (0, 1))
+    return quants.reshape(groups * 16, -1)[:rows].long(), scales.long(), mins.long(), d, dmin
+
+
+def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """The kernel's product computed here: activations to int8 per 256 columns, exact integer
+    sums per sub-block, then the kernel's float operations in its order."""
+    quants, scales, mins, d, dmin = unpack(packed, bits, rows)
+    width, columns = x.shape
+    blocks, sub = columns // 256, 32 if bits == 4 else 16
+    chunks = x.reshape(width, blocks, 256)
+    peak = chunks.abs().amax(-1, keepdim=True)
+    xq = torch.round(chunks * (127.0 / peak)).clamp(-127, 127).long().reshape(width, blocks, -1, sub)
+    dots = torch.einsum("mbjs,nbjs->mnbj", xq, quants.reshape(rows, blocks, -1, sub))
+    isum = (dots * scales.reshape(rows, blocks, -1)).sum(-1)
+    msum = (xq.sum(-1)[:, None] * mins.reshape(rows, blocks, -1)).sum(-1)
+    part = d * isum.float() - dmin * msum.float()
+    out = torch.zeros(width, rows)
+    for block in range(blocks):
+        out = out + (peak[:, block] / 127) * part[:, :, block]
+    return out
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
+    raw = random_blocks(40, 512, kind, seed=kind)
+    packed = ops.kquant_pack(torch.from_numpy(raw), kind, 512)
+    quants, scales, mins, d, dmin = unpack(packed, 4 if kind == Q4_K else 8, 40)
+    sub = 32 if kind == Q4_K else 16
+    per_sub = lambda t: t.double().repeat_interleave(256 // sub, 1)  # noqa: E731
+    weights = (per_sub(d) * scales.double()).repeat_interleave(sub, 1) * quants.double() \
+        - (per_sub(dmin) * mins.double()).repeat_interleave(sub, 1)
+    assert torch.equal(weights.float(), dequantize(raw, kind, 512))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kinds, rows", [([Q4_K], 48), ([Q6_K], 40), ([Q4_K, Q6_K], 37)])
+def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, isa, kinds, rows):
+    if isa == "avx2" and ops.int8_isa() == "plain":
+        pytest.skip("this CPU has no AVX2")
+    columns = 768
+    parts = [(random_blocks(rows, columns, kind, seed=rows + kind), kind) for kind in kinds]
+    layer = KQuantLinear(parts, columns, torch.randn(rows * len(kinds)))
+    layer.isa = isa
+    x = torch.randn(17, columns) * torch.rand(17, 1) * 10
+    x[:, 5] *= 30  # an outlier channel
+    x[3] = 0  # a row of zeros
+    alone = rows_alone(layer, x)
+    for width in WIDTHS:
+        assert torch.equal(layer(x[:width]), alone[:width]), width
+    assert torch.equal(layer(x.view(1, 17, -1))[0], alone)
+    expected = torch.cat([reference(x, packed, bits, n) for packed, bits, n in layer.runs], 1) + layer.bias
+    assert torch.equal(alone, expected)  # the kernel computes what its comment says, to the bit
+    weights = torch.cat([dequantize(raw, kind, columns) for raw, kind in parts])
+    plain = torch.randn(17, columns)  # without the outlier: int8 activations per 256 columns lose little
+    exact = plain @ weights.T + layer.bias
+    assert (layer(plain) - exact).norm() / exact.norm() < 0.02
+
+
+def test_every_instruction_set_gives_the_same_bits(ops):
+    parts = [(random_blocks(64, 1024, Q4_K, 1), Q4_K), (random_blocks(32, 1024, Q6_K, 2), Q6_K)]
+    layer = KQuantLinear(parts, 1024)
+    x = torch.randn(9, 1024)
+    outputs = []
+    for isa in ISAS if ops.int8_isa() != "plain" else ["plain"]:
+        layer.isa = isa
+        outputs.append(layer(x))
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+
+
+def test_bad_packing_input_is_refused_with_what_is_allowed(ops):
+    raw = torch.from_numpy(random_blocks(4, 256, Q4_K, 3))
+    with pytest.raises(RuntimeError, match="not Q4_K"):
+        ops.kquant_pack(raw, Q8_0, 256)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ops.kquant_pack(raw, Q4_K, 100)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        ops.kquant_pack(raw, Q4_K, 512)
+    layer = KQuantLinear([(raw.numpy(), Q4_K)], 256)
+    with pytest.raises(RuntimeError, match="columns"):
+        layer(torch.randn(2, 512))
+
+
+HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 256, 4, 2, 512, 2
+
+
+def write_model(root, vocab: int, seed: int, int8_layer: bool = False):
+    """A Qwen2 checkpoint and the GGUF file it is "made from": random k-quant blocks (Q4_K_M's
+    mix: some value and down projections and the output layer in Q6_K), the checkpoint holding
+    their dequantized floats. `int8_layer`: layer 0's query in Q8_0, which the kernel does not run."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
+              "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
+    ours = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+    writer = gguf.GGUFWriter(str(root / "model.gguf"), "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])  # string arrays to skip
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, HIDDEN), "model.norm.weight": 1 + torch.rand(HIDDEN)}
+
+    def add(name, ours_name, rows, columns, kind, seed):
+        if kind == Q8_0:  # a type the kernel does not run, as gguf quantizes it
+            raw = gguf.quants.quantize(torch.randn(rows, columns).numpy(), gguf.GGMLQuantizationType.Q8_0)
+        else:
+            raw = random_blocks(rows, columns, kind, seed)
+        floats = dequantize(raw, kind, columns)
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(kind))  # (its shape: bytes per row)
+        tensors[ours_name] = floats
+
+    for layer in range(LAYERS):
+        for index, (part, (rows, columns)) in enumerate(shapes.items()):
+            six = part in ("attn_v", "ffn_down") and layer % 2 == 0
+            kind = Q8_0 if int8_layer and (layer, part) == (0, "attn_q") else Q6_K if six else Q4_K
+            add(f"blk.{layer}.{part}.weight", f"model.layers.{layer}.{ours[part]}.weight", rows, columns, kind,
+                seed * 100 + layer * 10 + index)
+        for part in ("q_proj", "k_proj", "v_proj"):
+            rows = shapes["attn_" + part[0]][0]
+            tensors[f"model.layers.{layer}.self_attn.{part}.bias"] = torch.randn(rows) * 0.1
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = 1 + torch.rand(HIDDEN) * 0.1
+    add("output.weight", "lm_head.weight", vocab, HIDDEN, Q6_K, seed * 100 + 99)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(root / "model.safetensors"))
+    config = {"model_type": "qwen2", "vocab_size": vocab, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": INTERMEDIATE,
+              "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "hidden_act": "silu"}
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def load(root):
+    cfg = native_config(json.loads((root / "config.json").read_text()))
+    return load_kquant(root, cfg, root / "model.gguf", checkpoint_reader(root, cfg))
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tmp_path_factory, ops):
+    return load(write_model(tmp_path_factory.mktemp("kquant"), vocab=96, seed=1))
+
+
+def test_our_gguf_index_reads_what_gguf_reads(kquant_model, tmp_path_factory):
+    root = write_model(tmp_path_factory.mktemp("index"), vocab=40, seed=2)
+    ours = read_gguf_tensors(root / "model.gguf")
+    theirs = gguf.GGUFReader(str(root / "model.gguf")).tensors
+    assert sorted(ours) == sorted(tensor.name for tensor in theirs)
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert (mine.tensor_type, mine.shape) == (int(tensor.tensor_type), tuple(int(n) for n in tensor.shape))
+        assert np.array_equal(mine.data, np.asarray(tensor.data).reshape(mine.data.shape))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_tensors(root / "config.json")
+
+
+def test_a_kquant_model_computes_its_checkpoint_and_is_width_invariant(kquant_model, tmp_path_factory):
+    assert all(isinstance(module, KQuantLinear) for name, module in kquant_model.named_modules()
+               if name.endswith(("_proj", "lm_head")))
+    root = write_model(tmp_path_factory.mktemp("float"), vocab=96, seed=1)
+    reference = load_model(root, dtype="float32")
+    for name, layer in kquant_model.named_modules():  # each layer on the weights its checkpoint holds
+        if isinstance(layer, KQuantLinear):
+            x = torch.randn(5, layer.in_features)
+            exact = reference.get_submodule(name)(x)
+            assert ((layer(x) - exact).norm() / exact.norm()) < 0.02, name
+    assert widths_agree(kquant_model)
+
+
+def test_layers_of_other_types_run_in_int8(tmp_path, ops):
+    model = load(write_model(tmp_path, vocab=64, seed=3, int8_layer=True))
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(model.layers[1].self_attn.qkv_proj, KQuantLinear)
+    assert widths_agree(model)
+
+
+@pytest.mark.parametrize("draft_kind", ["ngram", "self", "float draft"])
+def test_greedy_speculation_on_a_kquant_target_is_its_own_greedy_decoding(kquant_model, draft_kind,
+                                                                           tmp_path_factory):
+    draft = {"ngram": lambda: NGramProposer(max_ngram=3), "self": lambda: kquant_model,
+             "float draft": lambda: load_model(write_model(tmp_path_factory.mktemp("draft"), 96, 1), "cpu",
+                                               "float32")}[draft_kind]()
+    decoder = SpeculativeDecoder(kquant_model, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=5))
+    prompts = [[1, 2, 3], list(range(10, 40)) * 2, [7] * 5]
+    for prompt in prompts:
+        assert decoder.generate(prompt, 40) == autoregressive_generate(kquant_model, prompt, 40)
+    assert decoder.generate(prompts, 24) == [autoregressive_generate(kquant_model, p, 24) for p in prompts]
+    if draft_kind == "self":
+        assert decoder.acceptance_rate() == 1.0
+
+
+def test_dtype_gguf_names_what_it_needs(tmp_path):
+    from tests.helpers import tiny
+    from speculative import save_model
+
+    save_model(tiny("decoder_only", seed=5), tmp_path / "m")
+    with pytest.raises(ValueError, match="made from a GGUF file by a preset"):
+        load_model(tmp_path / "m", dtype="gguf")
+
+
+@pytest.mark.slow
+def test_sampling_from_a_kquant_target_follows_its_own_distribution(tmp_path, ops):
+    """G-test against the k-quant model's exact distribution (from wide forwards: exact because
+    it is width-invariant); negative control: the same model at temperature 1.3."""
+    target = load(write_model(tmp_path / "target", vocab=VOCAB, seed=7))
+    draft = load_model(write_model(tmp_path / "draft", vocab=VOCAB, seed=8), dtype="float32")
+    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=3, seed=0)
+    decoder = SpeculativeDecoder(target, draft, config)
+    counts = draw(decoder)
+    assert 0 < decoder.acceptance_rate() < 1
+    assert g_test_pvalue(counts, exact_joint(target, config)) > P_MIN
+    warmer = SpeculativeConfig(adaptive=False, greedy_verification=False, target_temperature=1.3)
+    assert g_test_pvalue(counts, exact_joint(target, warmer)) < P_MIN
+    assert counts.sum() == DRAWS and LENGTH == 3
