@@ -107,9 +107,10 @@ def speeds(runs: list) -> tuple[float, float]:
 
 def summarize(rounds: list[dict], names: list[str]) -> dict:
     base = names[0]
-    reference = [out for out, _, _ in rounds[-1]["ours int8 plain"]]
     report = {}
     for name in names:
+        family = "ours gguf plain" if name.startswith("ours gguf") else "ours int8 plain"  # its own plain decoding
+        reference = [out for out, _, _ in rounds[-1][family]]
         ends, decodes = zip(*(speeds(r[name]) for r in rounds))
         e_ratio = [speeds(r[name])[0] / speeds(r[base])[0] for r in rounds]
         d_ratio = [speeds(r[name])[1] / speeds(r[base])[1] for r in rounds]
@@ -118,7 +119,7 @@ def summarize(rounds: list[dict], names: list[str]) -> dict:
             "tokens_per_second": statistics.median(ends), "decode_tokens_per_second": statistics.median(decodes),
             "vs_llama_cpp": statistics.median(e_ratio), "decode_vs_llama_cpp": statistics.median(d_ratio),
             "tokens": sum(map(len, outputs)),
-            "identical_to_int8_plain": sum(a == b for a, b in zip(outputs, reference)),
+            "identical_to_int8_plain": sum(a == b for a, b in zip(outputs, reference)),  # gguf: to gguf plain
             "shared_prefix_with_int8_plain": sum(shared(a, b) for a, b in zip(outputs, reference))}
     return report
 
@@ -139,6 +140,10 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
             "ours int8 + 0.5B int8 draft": engine_method(target, draft, SpeculativeConfig(num_draft_tokens=4)),
             "ours int8 + lookup + 0.5B draft (default)": engine_method(
                 target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
+    kquant = load_model("qwen2.5-coder-1.5b", dtype="gguf")  # the file's own Q4_K / Q6_K blocks
+    ours.update({"ours gguf plain": engine_method(kquant),
+                 "ours gguf + lookup + 0.5B draft": engine_method(
+                     kquant, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))})
     compare(save_per_machine, "llama-cpp", "Against llama.cpp: Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF", gguf,
             "qwen2.5-coder-1.5b", target, ours, workloads(target.tokenizer), runs, log)
 
@@ -180,7 +185,8 @@ def compare(save_per_machine, name: str, title: str, gguf: str, preset: str, tar
 def render(report: dict, legend) -> list[str]:
     parts = [f"### {report['title']}\n",
              "Tokens/s end to end and decoding only, and their ratio to llama.cpp's plain decoding in the same "
-             "round; outputs identical to our int8 plain decoding (prompts).\n"]
+             "round; outputs identical to our own plain decoding of the same precision (int8, or gguf for gguf "
+             "rows; prompts).\n"]
     machines = report["machines"]
     parts += legend(machines, lambda e: f", {e['runs']} rounds, {e['max_new_tokens']} new tokens, "
                                         f"{e['threads']} threads")
@@ -188,10 +194,11 @@ def render(report: dict, legend) -> list[str]:
         for workload, data in entry["workloads"].items():
             parts += [f"\n({number}) {workload}, {data['prompts']} prompts of "
                       f"{min(data['prompt_tokens'])}-{max(data['prompt_tokens'])} tokens:\n",
-                      "| method | tok/s | vs llama.cpp | decode tok/s | decode vs llama.cpp | = int8 plain |",
+                      "| method | tok/s | vs llama.cpp | decode tok/s | decode vs llama.cpp | = own plain |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for name, row in data["methods"].items():
-                same = f"{row['identical_to_int8_plain']}/{data['prompts']}" if name.startswith("ours int8") else \
+                own = name.startswith(("ours int8", "ours gguf"))
+                same = f"{row['identical_to_int8_plain']}/{data['prompts']}" if own else \
                     f"({row['shared_prefix_with_int8_plain']} tokens shared)"
                 parts.append(f"| {name} | {row['tokens_per_second']:.1f} | {row['vs_llama_cpp']:.2f}x | "
                              f"{row['decode_tokens_per_second']:.1f} | {row['decode_vs_llama_cpp']:.2f}x | {same} |")

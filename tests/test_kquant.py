@@ -61,12 +61,14 @@ def unpack(packed: torch.Tensor, bits: int, rows: int):
     csrc/kquant_matmul.cpp), each (rows, ...) in column order."""
     groups, blocks, _ = packed.shape
     subs = 8 if bits == 4 else 16
-    quant_bytes = 256 * 16 * bits // 8
-    chunks = packed[:, :, :quant_bytes].reshape(groups, blocks, -1, 16, 4)
-    if bits == 4:  # each chunk: 8 columns, the first 4 in low nibbles
-        quants = torch.stack([chunks & 15, chunks >> 4], 4).permute(0, 3, 1, 2, 4, 5)
-    else:
-        quants = chunks.permute(0, 3, 1, 2, 4)
+    chunks = packed[:, :, :2048].reshape(groups, blocks, 32, 16, 4)  # 8 columns each, the first 4 in low nibbles
+    quants = torch.stack([chunks & 15, chunks >> 4], 4).permute(0, 3, 1, 2, 4, 5).reshape(groups * 16, -1)
+    quant_bytes = 2048
+    if bits == 6:  # per sub-block of 16 columns, each row's byte i: the high 2 bits of columns i, 4+i, 8+i, 12+i
+        two = packed[:, :, 2048:3072].reshape(groups, blocks, 16, 16, 4)
+        high = torch.stack([(two >> shift) & 3 for shift in (0, 2, 4, 6)], 4)  # (.., sub, row, 4 columns, 4 bytes)
+        quants = quants | (high.permute(0, 3, 1, 2, 4, 5).reshape(groups * 16, -1) << 4)
+        quant_bytes = 3072
     by_pairs = lambda at: packed[:, :, at:at + subs * 16].view(torch.int8).reshape(  # noqa: E731
         groups, blocks, subs // 2, 16, 2).permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks * subs)[:rows]
     scales = by_pairs(quant_bytes)
@@ -74,7 +76,7 @@ def unpack(packed: torch.Tensor, bits: int, rows: int):
     at = quant_bytes + subs * 16 * (2 if bits == 4 else 1)
     floats = packed[:, :, at:at + 128].contiguous().view(torch.float32).reshape(groups, blocks, 2, 16)
     d, dmin = (floats[:, :, i].permute(0, 2, 1).reshape(groups * 16, blocks)[:rows] for i in (0, 1))
-    return quants.reshape(groups * 16, -1)[:rows].long(), scales.long(), mins.long(), d, dmin
+    return quants[:rows].long(), scales.long(), mins.long(), d, dmin
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
@@ -100,7 +102,7 @@ def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> to
 def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
     raw = random_blocks(40, 512, kind, seed=kind)
     packed = ops.kquant_pack(torch.from_numpy(raw), kind, 512)
-    quants, scales, mins, d, dmin = unpack(packed, 4 if kind == Q4_K else 8, 40)
+    quants, scales, mins, d, dmin = unpack(packed, 4 if kind == Q4_K else 6, 40)
     sub = 32 if kind == Q4_K else 16
     per_sub = lambda t: t.double().repeat_interleave(256 // sub, 1)  # noqa: E731
     weights = (per_sub(d) * scales.double()).repeat_interleave(sub, 1) * quants.double() \

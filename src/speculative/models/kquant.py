@@ -3,8 +3,8 @@ blocks runs on those blocks as stored (`csrc/kquant_matmul.cpp`), with each toke
 activations in int8 per 256 columns; the rest as an int8 model's (`int8.py`), attention and
 norms in float32.
 
-Why: the weights are then the file's own (what llama.cpp computes with), read at 4.5-8 bits
-instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.13 GB a token against 1.54), and the
+Why: the weights are then the file's own (what llama.cpp computes with), read at 4.75-6.75 bits
+instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.02 GB a token against 1.54), and the
 kernel gives each token the same bits at any width, so speculative output is exactly this
 model's own one-token decoding. Layers of other types (Q5_0, Q8_0: most of Gemma 3 270M's
 file) are quantized to int8 from the float checkpoint, without smoothing.
@@ -34,7 +34,7 @@ from .kernels import Int8Linear
 log = logging.getLogger("speculative")
 
 # GGML type numbers the kernel runs -> bits per stored quant in its layout.
-KERNEL_TYPES = {12: 4, 14: 8}  # Q4_K, Q6_K
+KERNEL_TYPES = {12: 4, 14: 6}  # Q4_K, Q6_K
 # The GGUF tensors (llama.cpp's names) behind each linear layer of the fused decoder.
 GGUF_NAMES = {"o_proj": ("attn_output",), "down_proj": ("ffn_down",), "q_proj": ("attn_q",), "k_proj": ("attn_k",),
               "v_proj": ("attn_v",), "gate_proj": ("ffn_gate",), "up_proj": ("ffn_up",)}
@@ -74,7 +74,7 @@ class KQuantLinear(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
 
     def extra_repr(self) -> str:
-        kinds = "+".join(f"{'Q4_K' if bits == 4 else 'Q6_K'}" for _, bits, _ in self.runs)
+        kinds = "+".join("Q4_K" if bits == 4 else "Q6_K" for _, bits, _ in self.runs)
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
@@ -207,7 +207,7 @@ def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> D
             continue
         bias = read_float(f"{name}.bias") if module.bias is not None else None
         sources = [tensors.get(source) for source in gguf_tensor_names(name, tensors)]
-        if all(source is not None and source.tensor_type in KERNEL_TYPES and source.data is not None for source in sources):
+        if all(source is not None and source.data is not None for source in sources):  # Q4_K or Q6_K, whole blocks
             _check_shapes(name, module, sources, gguf)
             layer = KQuantLinear([(source.data, source.tensor_type) for source in sources], module.in_features,
                                  bias)
@@ -216,8 +216,9 @@ def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> D
             layer = Int8Linear(SimpleNamespace(weight=read_float(f"{name}.weight"), bias=bias))
             counts["int8"] += 1
         _replace(model, name, layer)
-    file, key = read_float.location("embed_tokens.weight")
-    model.embed_tokens = nn.Embedding.from_pretrained(_mapped(file, key), freeze=True)
+    table = _mapped(*read_float.location("embed_tokens.weight"))
+    table = table if table.dtype == torch.float32 else read_float("embed_tokens.weight").float()
+    model.embed_tokens = nn.Embedding.from_pretrained(table, freeze=True)
     for name, parameter in list(model.named_parameters()):
         if parameter.is_meta:
             parent, _, leaf = name.rpartition(".")

@@ -14,8 +14,8 @@
 //
 // Layout (kquant_pack): by groups of 16 output rows, super-block after super-block, each
 // [quants][sub-block scales][mins (Q4_K)][d x 16][dmin x 16]. Quants come in 64-byte chunks
-// that hold, for each of the 16 rows, 4 bytes: Q4_K 8 columns (low nibbles the first 4, high
-// nibbles the next 4), Q6_K 4 columns (one byte each). One chunk feeds 16 sums at once
+// that hold, for each of the 16 rows, 4 bytes of 8 columns (low nibbles the first 4, high
+// nibbles the next 4; Q6_K's high 2 bits follow, `Layout`). One chunk feeds 2 x 16 sums
 // (VNNI's dpbusd multiplies unsigned weights by signed activations, 4 per lane).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,20 +45,24 @@ constexpr int kTokens = 8;   // input rows per pass over a group's weights (VNNI
 constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGML's type numbers
 
+// BITS: 4 (Q4_K) or 6 (Q6_K: the low 4 bits as Q4_K's nibbles, then the high 2 bits of each
+// sub-block of 16 columns in one 64-byte chunk: each row's byte i holds, from bit 0, those of
+// columns i, 4 + i, 8 + i and 12 + i of the sub-block).
 template <int BITS>
 struct Layout {
   static constexpr int kSub = BITS == 4 ? 32 : 16;  // columns per sub-block
   static constexpr int kSubs = kBlock / kSub;
-  static constexpr int kChunkColumns = BITS == 4 ? 8 : 4;
-  static constexpr int kChunks = kBlock / kChunkColumns;  // 64-byte chunks per super-block
+  static constexpr int kChunkColumns = 8;  // columns per 64-byte chunk of nibbles
+  static constexpr int kChunks = kBlock / kChunkColumns;
   static constexpr int kChunksPerSub = kSub / kChunkColumns;
   static constexpr bool kMins = BITS == 4;  // Q6_K's mins are its scales
-  static constexpr int kQuantBytes = kChunks * 64;
+  static constexpr int kNibbleBytes = kChunks * 64;
+  static constexpr int kQuantBytes = kNibbleBytes + (BITS == 6 ? kSubs * 64 : 0);
   static constexpr int kScaleBytes = kSubs * kGroup * (kMins ? 2 : 1);
   static constexpr int kBytes = kQuantBytes + kScaleBytes + 2 * kGroup * 4;
 };
 
-int64_t block_bytes(int64_t bits) { return bits == 4 ? Layout<4>::kBytes : Layout<8>::kBytes; }
+int64_t block_bytes(int64_t bits) { return bits == 4 ? Layout<4>::kBytes : Layout<6>::kBytes; }
 
 // Each row of x (M, K) to int8 per super-block (scale absmax / 127), with the integer sums of
 // each sub-block of `sub` columns, by pairs in 16-bit halves: q (M, K), xs (M, K / 256), xsum (M, K / sub / 2).
@@ -83,7 +87,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int sub, int8_t* q, flo
       for (int j = 0; j < kBlock / sub; j += 2) {  // two sub-blocks' sums as 16-bit halves (|sum| < 2^13)
         int32_t sums[2] = {0, 0};
         for (int k = 0; k < 2 * sub; ++k) sums[k / sub] += out[j * sub + k];
-        xsum[(m * blocks + b) * (kBlock / sub / 2) + j / 2] = int32_t(uint32_t(uint16_t(sums[0])) | (uint32_t(uint16_t(sums[1])) << 16));
+        const uint32_t pair = uint32_t(uint16_t(sums[0])) | (uint32_t(uint16_t(sums[1])) << 16);
+        xsum[(m * blocks + b) * (kBlock / sub / 2) + j / 2] = int32_t(pair);
       }
     }
 }
@@ -104,6 +109,9 @@ struct Block {
         d(reinterpret_cast<const float*>(at + L::kQuantBytes + L::kScaleBytes)),
         dmin(d + kGroup) {}
 };
+
+__attribute__((target("avx2")))
+inline __m256i load256(const void* at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); }
 
 int32_t four_bytes(const int8_t* at) {
   int32_t v;
@@ -129,32 +137,34 @@ void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
     __m512i isum[T];
     for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
     for (int j = 0; j < L::kSubs; j += 2) {  // sub-blocks by pairs, whose scales share a load
-      const __m512i scales = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.scales + j * kGroup)));
+      const __m512i scales = _mm512_cvtepi8_epi16(load256(block.scales + j * kGroup));
       const __m512i sc[2] = {_mm512_srai_epi32(_mm512_slli_epi32(scales, 16), 16), _mm512_srai_epi32(scales, 16)};
       for (int e = 0; e < 2; ++e) {
         __m512i dot[T][kChains];
         for (int t = 0; t < T; ++t)
           for (int h = 0; h < kChains; ++h) dot[t][h] = _mm512_setzero_si512();
+        __m512i two_bits = _mm512_setzero_si512();
+        if constexpr (BITS == 6) two_bits = _mm512_loadu_si512(block.quants + L::kNibbleBytes + (j + e) * 64);
         for (int i = 0; i < L::kChunksPerSub; ++i) {
           const int c = (j + e) * L::kChunksPerSub + i;
           const __m512i wv = _mm512_loadu_si512(block.quants + c * 64);
           _mm_prefetch(reinterpret_cast<const char*>(block.quants + c * 64 + kPrefetch), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(block.quants + c * 64 + 4 * kPrefetch), _MM_HINT_T1);
           const int8_t* column = q + b * kBlock + c * L::kChunkColumns;
-          if constexpr (BITS == 4) {
-            const __m512i low = _mm512_and_si512(wv, nibble);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
-            for (int t = 0; t < T; ++t) {
-              __m512i& a = dot[t][(2 * i) % kChains];
-              a = _mm512_dpbusd_epi32(a, low, _mm512_set1_epi32(four_bytes(column + t * K)));
-              __m512i& z = dot[t][(2 * i + 1) % kChains];
-              z = _mm512_dpbusd_epi32(z, high, _mm512_set1_epi32(four_bytes(column + t * K + 4)));
-            }
-          } else {
-            for (int t = 0; t < T; ++t) {
-              __m512i& a = dot[t][i % kChains];
-              a = _mm512_dpbusd_epi32(a, wv, _mm512_set1_epi32(four_bytes(column + t * K)));
-            }
+          __m512i low = _mm512_and_si512(wv, nibble);
+          __m512i high = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+          if constexpr (BITS == 6) {  // each byte's high 2 bits to its bits 4-5 (16-bit shifts: the mask drops spill)
+            const __m512i top = _mm512_set1_epi8(0x30);
+            low = _mm512_or_si512(low, _mm512_and_si512(
+                i == 0 ? _mm512_slli_epi16(two_bits, 4) : two_bits, top));
+            high = _mm512_or_si512(high, _mm512_and_si512(
+                i == 0 ? _mm512_slli_epi16(two_bits, 2) : _mm512_srli_epi16(two_bits, 2), top));
+          }
+          for (int t = 0; t < T; ++t) {
+            __m512i& a = dot[t][(2 * i) % kChains];
+            a = _mm512_dpbusd_epi32(a, low, _mm512_set1_epi32(four_bytes(column + t * K)));
+            __m512i& z = dot[t][(2 * i + 1) % kChains];
+            z = _mm512_dpbusd_epi32(z, high, _mm512_set1_epi32(four_bytes(column + t * K + 4)));
           }
         }
         for (int t = 0; t < T; ++t) {
@@ -169,7 +179,7 @@ void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
       const int32_t* pairs = xsum + (t * blocks + b) * (L::kSubs / 2);
       __m512i msum = _mm512_setzero_si512();
       for (int j = 0; j < L::kSubs; j += 2) {  // m of two sub-blocks times their sums of x, as 16-bit pairs
-        const __m512i m = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.mins + j * kGroup)));
+        const __m512i m = _mm512_cvtepi8_epi16(load256(block.mins + j * kGroup));
         msum = _mm512_dpwssd_epi32(msum, m, _mm512_set1_epi32(pairs[j / 2]));
       }
       const __m512 part = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[t])),
@@ -206,22 +216,26 @@ void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
       for (int j = 0; j < L::kSubs; ++j) {
         __m256i dot[T];
         for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
-        for (int c = j * L::kChunksPerSub; c < (j + 1) * L::kChunksPerSub; ++c) {
+        __m256i two_bits = _mm256_setzero_si256();
+        if constexpr (BITS == 6)
+          two_bits = load256(block.quants + L::kNibbleBytes + j * 64 + h * 32);
+        for (int i = 0; i < L::kChunksPerSub; ++i) {
+          const int c = j * L::kChunksPerSub + i;
           const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.quants + c * 64 + h * 32));
           const int8_t* column = q + b * kBlock + c * L::kChunkColumns;
-          if constexpr (BITS == 4) {
-            const __m256i low = _mm256_and_si256(wv, nibble);
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
-            for (int t = 0; t < T; ++t) {
-              const __m256i a = _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(column + t * K)));
-              const __m256i e = _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(column + t * K + 4)));
-              dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_add_epi16(a, e), ones));
-            }
-          } else {
-            for (int t = 0; t < T; ++t) {
-              const __m256i a = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(four_bytes(column + t * K)));
-              dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(a, ones));
-            }
+          __m256i low = _mm256_and_si256(wv, nibble);
+          __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
+          if constexpr (BITS == 6) {
+            const __m256i top = _mm256_set1_epi8(0x30);
+            low = _mm256_or_si256(low, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two_bits, 4) : two_bits, top));
+            high = _mm256_or_si256(high, _mm256_and_si256(
+                i == 0 ? _mm256_slli_epi16(two_bits, 2) : _mm256_srli_epi16(two_bits, 2), top));
+          }
+          // Products of at most 63 * 127, two and two, then four: |sum| <= 32004, within 16 bits.
+          for (int t = 0; t < T; ++t) {
+            const __m256i a = _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(column + t * K)));
+            const __m256i e = _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(column + t * K + 4)));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_add_epi16(a, e), ones));
           }
         }
         const __m256i sc = scale_of(block.scales, j, h);
@@ -250,19 +264,20 @@ void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
 inline int paired(int j, int r) { return (j / 2) * 2 * kGroup + r * 2 + j % 2; }
 
 // Sub-block j's sum of x from the pair of 16-bit sums that holds it.
-inline int32_t xsum_of(int32_t pair, int j) { return j % 2 == 0 ? int16_t(pair & 0xFFFF) : int16_t(uint32_t(pair) >> 16); }
+inline int32_t xsum_of(int32_t pair, int j) {
+  return j % 2 == 0 ? int16_t(pair & 0xFFFF) : int16_t(uint32_t(pair) >> 16);
+}
 
 // Unsigned quant of column k of row r in a packed super-block.
 template <int BITS>
 int32_t quant_at(const uint8_t* quants, int r, int k) {
   using L = Layout<BITS>;
   const int c = k / L::kChunkColumns, i = k % L::kChunkColumns;
-  if constexpr (BITS == 4) {
-    const uint8_t byte = quants[c * 64 + r * 4 + i % 4];
-    return i < 4 ? byte & 0x0F : byte >> 4;
-  } else {
-    return quants[c * 64 + r * 4 + i];
-  }
+  const uint8_t byte = quants[c * 64 + r * 4 + i % 4];
+  const int32_t low = i < 4 ? byte & 0x0F : byte >> 4;
+  if constexpr (BITS == 4) return low;
+  const uint8_t two = quants[L::kNibbleBytes + (k / 16) * 64 + r * 4 + i % 4];
+  return low | (((two >> ((c % 2) * 4 + (i < 4 ? 0 : 2))) & 3) << 4);
 }
 
 template <int BITS, int T>
@@ -292,13 +307,14 @@ void tile_plain(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum
 using TileFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, const uint8_t*, float*);
 
 #define TILES(NAME, BITS) \
-  {NAME<BITS, 1>, NAME<BITS, 2>, NAME<BITS, 3>, NAME<BITS, 4>, NAME<BITS, 5>, NAME<BITS, 6>, NAME<BITS, 7>, NAME<BITS, 8>}
+  {NAME<BITS, 1>, NAME<BITS, 2>, NAME<BITS, 3>, NAME<BITS, 4>, \
+   NAME<BITS, 5>, NAME<BITS, 6>, NAME<BITS, 7>, NAME<BITS, 8>}
 
 TileFn tile_for(Isa isa, int bits, int tokens) {
-  static const TileFn vnni[2][kTokens] = {TILES(tile_vnni, 4), TILES(tile_vnni, 8)};
-  static const TileFn avx2[2][kTokens] = {TILES(tile_avx2, 4), TILES(tile_avx2, 8)};
-  static const TileFn plain[2][kTokens] = {TILES(tile_plain, 4), TILES(tile_plain, 8)};
-  const int kind = bits == 4 ? 0 : 1;
+  static const TileFn vnni[2][kTokens] = {TILES(tile_vnni, 4), TILES(tile_vnni, 6)};
+  static const TileFn avx2[2][kTokens] = {TILES(tile_avx2, 4), TILES(tile_avx2, 6)};
+  static const TileFn plain[2][kTokens] = {TILES(tile_plain, 4), TILES(tile_plain, 6)};
+  const int kind = bits == 4 ? 0 : 1;  // 4 or 6
   return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[kind][tokens - 1];
 }
 
@@ -368,8 +384,15 @@ void pack_group(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t blo
       for (int c = 0; c < L::kChunks; ++c)
         for (int i = 0; i < 4; ++i) {
           const int k = c * L::kChunkColumns + i;
-          out[c * 64 + r * 4 + i] = BITS == 4 ? quants[k] | (quants[k + 4] << 4) : quants[k];
+          out[c * 64 + r * 4 + i] = (quants[k] & 0x0F) | ((quants[k + 4] & 0x0F) << 4);
         }
+      if (BITS == 6)  // sub-block j's high bits: columns i, 4 + i, 8 + i, 12 + i in byte i
+        for (int j = 0; j < L::kSubs; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t* at = quants + j * 16 + i;
+            out[L::kNibbleBytes + j * 64 + r * 4 + i] =
+                (at[0] >> 4) | ((at[4] >> 4) << 2) | ((at[8] >> 4) << 4) | ((at[12] >> 4) << 6);
+          }
     }
   }
 }
@@ -386,7 +409,7 @@ at::Tensor kquant_pack(const at::Tensor& raw, int64_t type, int64_t K) {
   const int64_t blocks = K / kBlock, N = raw.size(0), row_bytes = raw.size(1);
   TORCH_CHECK(row_bytes == blocks * (type == kQ4K ? 144 : 210), "kquant_pack: ", row_bytes,
               " bytes per row do not hold ", K, " columns of this type");
-  const int bits = type == kQ4K ? 4 : 8;
+  const int bits = type == kQ4K ? 4 : 6;
   const int64_t groups = (N + kGroup - 1) / kGroup, bytes = block_bytes(bits);
   at::Tensor packed = at::empty({groups, blocks, bytes}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
@@ -397,24 +420,24 @@ at::Tensor kquant_pack(const at::Tensor& raw, int64_t type, int64_t K) {
       const uint8_t* in = src + g * kGroup * row_bytes;
       uint8_t* out = dst + g * blocks * bytes;
       if (bits == 4) pack_group<4>(in, rows, row_bytes, blocks, type, out);
-      else pack_group<8>(in, rows, row_bytes, blocks, type, out);
+      else pack_group<6>(in, rows, row_bytes, blocks, type, out);
     }
   });
   return packed;
 }
 
-// x (..., K) float32; packed from kquant_pack; bits 4 (Q4_K) or 8 (Q6_K); bias (N,) or none.
+// x (..., K) float32; packed from kquant_pack; bits 4 (Q4_K) or 6 (Q6_K); bias (N,) or none.
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits,
                          const c10::optional<at::Tensor>& bias, int64_t N, const std::string& isa_name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
               packed.is_contiguous(), "kquant_linear: float32 x and packed uint8 weights from kquant_pack");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "kquant_linear runs on CPUs");
-  TORCH_CHECK(bits == 4 || bits == 8, "kquant_linear: bits must be 4 (Q4_K) or 8 (Q6_K), not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6, "kquant_linear: bits must be 4 (Q4_K) or 6 (Q6_K), not ", bits);
   const int64_t K = x.size(-1), blocks = packed.size(1), Np = packed.size(0) * kGroup;
   TORCH_CHECK(packed.size(2) == block_bytes(bits) && K == blocks * kBlock && N <= Np && Np - N < kGroup,
               "kquant_linear: x has ", K, " columns and N = ", N, "; the packed weights do not match");
   const Isa isa = speculative::isa_named(isa_name, "kquant_linear");
-  const int sub = bits == 4 ? Layout<4>::kSub : Layout<8>::kSub;
+  const int sub = bits == 4 ? Layout<4>::kSub : Layout<6>::kSub;
   const at::Tensor flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
