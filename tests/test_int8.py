@@ -92,8 +92,9 @@ def test_every_instruction_set_of_the_compiled_kernel_gives_the_same_bits(kernel
         results.append(layer(x))
     assert all(torch.equal(result, results[0]) for result in results), isas
     qweight, scale = layer.int8_weights()  # and each is the exact integer product, scaled
-    q = torch.round(x * (127 / x.abs().amax(-1, keepdim=True))).clamp(-127, 127)
-    exact = (q.double() @ qweight.double().T).float() * ((x.abs().amax(-1, keepdim=True) / 127) * scale)
+    peak = x.abs().amax(-1, keepdim=True)
+    q = torch.round(x * (torch.full_like(peak, 127.0) / peak)).clamp(-127, 127)  # 127 / t is 127 * t.reciprocal()
+    exact = (q.double() @ qweight.double().T).float() * ((peak / 127) * scale)
     assert torch.equal(results[0], exact + layer.bias)
 
 

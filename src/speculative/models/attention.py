@@ -39,6 +39,22 @@ class KVState:
         batch = len(self.lengths)
         return [k[:batch] for k in self.keys], [v[:batch] for v in self.values]
 
+
+class SlotWrite:
+    """Writes a forward's keys or values (B, H_kv, T, D) into a cache (B, H_kv, S, D): token t
+    of row b to slot targets[b, t]; `first`: every row's tokens go to slots first.. (one slice)."""
+
+    def __init__(self, targets: torch.Tensor, first: int | None = None):
+        self.targets, self.first = targets, first
+        self.rows = torch.arange(len(targets), device=targets.device)[:, None]
+
+    def __call__(self, cache: torch.Tensor, new: torch.Tensor) -> None:
+        if self.first is not None:
+            cache[:, :, self.first:self.first + new.shape[2]] = new
+        else:
+            cache[self.rows, :, self.targets] = new.transpose(1, 2)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions: x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) taken
     as roll(x) = (x2, x1) times a sine whose first half is negated (the same bits)."""

@@ -14,18 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import KEY_BLOCK, KVState, cached_attention, key_slots, rope_table, rotate, tree_mask
+from .attention import KEY_BLOCK, KVState, SlotWrite, cached_attention, key_slots, rope_table, rotate, tree_mask
 from .base import OutputHead, check_lengths, output, valid_counts
 from .decoder_config import DecoderOnlyConfig
 
 
 class RMSNorm(nn.Module):
+    # The compiled block operations (`use_compiled_blocks`), or None: PyTorch's.
+    compiled = None
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled.block_rms_norm(x, self.weight, self.eps, "auto")
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same bits, in one call
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
@@ -52,6 +57,9 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 class Attention(nn.Module):
+    # The compiled block operations (`use_compiled_blocks`), or None: PyTorch's.
+    compiled = None
+
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -99,6 +107,12 @@ class Attention(nn.Module):
         KEY_BLOCKs), as `mask` (B, T, those slots) allows: in float32 by `cached_attention`, which gives every
         token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel."""
         batch, width, _ = x.shape
+        if cache is not None and self.compiled is not None:  # rotation, cache write and attention in one call
+            write, cache_k, cache_v, _, mask = cache
+            scale = self.head_dim ** -0.5 if self.scale is None else self.scale
+            out = self.compiled.block_attention(self.qkv_proj(x), cos, sin, cache_k, cache_v, write.targets, mask,
+                                                self.num_heads, self.num_kv_heads, scale, "auto")
+            return self.o_proj(out)
         q, k, v = self.project(x, cos, sin)
         gqa = self.num_kv_heads != self.num_heads
         if cache is None:
@@ -317,17 +331,10 @@ class DecoderOnlyLM(nn.Module):
         else:
             needed = int(positions.max()) + 1
         if min(starts) == max(starts) and starts[0] + width <= state.capacity:
-            first = starts[0]
-
-            def write(cache, new):
-                cache[:, :, first:first + width] = new
+            write = SlotWrite(slots, starts[0])
         else:
-            rows = torch.arange(batch, device=device)[:, None]
             padding = torch.arange(width, device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
-            targets = slots.masked_fill(padding, state.capacity)  # padding goes to the scratch slot
-
-            def write(cache, new):
-                cache[rows, :, targets] = new.transpose(1, 2)
+            write = SlotWrite(slots.masked_fill(padding, state.capacity))  # padding goes to the scratch slot
         # A query in slot s sees the keys in slots <= s (stale entries lie beyond), read in whole blocks.
         span = min(-(-keys // KEY_BLOCK) * KEY_BLOCK, state.keys[0].shape[2])
         if tree is None:
@@ -374,6 +381,18 @@ class DecoderOnlyLM(nn.Module):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
         return self
+
+    def use_compiled_blocks(self, ops) -> bool:
+        """Norms and attention through the compiled block operations `ops` (csrc/block_ops.cpp):
+        one call each instead of dozens, width-invariant by construction. For a fused float32
+        model on a CPU (the int8 and k-quant models); False where they do not apply."""
+        if ops is None or self.device.type != "cpu" or self.dtype != torch.float32 \
+                or any(layer.self_attn.qkv_proj is None for layer in self.layers):
+            return False
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.compiled = ops
+        return True
 
     def output_head(self, token_ids: torch.Tensor | None = None) -> nn.Module:
         """hidden -> float32 logits, over `token_ids` only when given (a reduced draft vocabulary)."""

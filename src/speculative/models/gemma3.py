@@ -195,6 +195,10 @@ class Gemma3LM(DecoderOnlyLM):
             x = layer(x, cos, sin, (write, cache_k, cache_v, slots, seen))
         return x
 
+    def use_compiled_blocks(self, ops) -> bool:
+        """Not for Gemma 3: its attention normalizes queries and keys, its norms scale by 1 + w."""
+        return False
+
     def layer_rope(self, index: int, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         sliding = self.cfg.layer_types[index] == SLIDING
         return self._rope(positions, needed, self.cfg.sliding_rope_theta if sliding else None)

@@ -31,6 +31,7 @@ from torch import nn
 
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import Gemma3Config, Gemma3LM
+from .int8_kernel import compiled_ops
 from .kernels import Int8Embedding, Int8Linear, quantize_linears, quantize_rows
 
 log = logging.getLogger("speculative")
@@ -55,6 +56,7 @@ def quantize_model(model: nn.Module) -> int:
         model.fuse()
         count = quantize_linears(model)
         model.embed_tokens = Int8Embedding(model.embed_tokens.weight)
+        model.use_compiled_blocks(compiled_ops())
         return count + 1
     return quantize_linears(model)
 
@@ -75,12 +77,16 @@ def load_cached(path: Path, cfg: DecoderOnlyConfig, float_reader, progress: bool
     from `float_reader()(name)` (the float weights of the fused model's layers; made only
     when needed: smoothing tokenizes its calibration text) and cached."""
     directory = cache_directory(path)
+    model = None
     if _complete(directory):
         try:
-            return _read(directory, cfg)
+            model = _read(directory, cfg)
         except (OSError, ValueError, KeyError, RuntimeError) as error:  # damaged after it was written
             log.warning("the int8 cache %s is unreadable (%s): rebuilding it", directory, error)
-    return _quantize_and_write(directory, cfg, float_reader(), progress)
+    if model is None:
+        model = _quantize_and_write(directory, cfg, float_reader(), progress)
+    model.use_compiled_blocks(compiled_ops())
+    return model
 
 
 def _skeleton(cfg: DecoderOnlyConfig) -> DecoderOnlyLM:

@@ -29,6 +29,7 @@ from torch import nn
 
 from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
 from .int8 import _mapped, _replace, model_class, release_freed_memory
+from .int8_kernel import compiled_ops
 from .kernels import Int8Linear
 
 log = logging.getLogger("speculative")
@@ -48,8 +49,6 @@ class KQuantLinear(nn.Module):
     def __init__(self, parts: list[tuple[np.ndarray, int]], in_features: int, bias: torch.Tensor | None = None):
         """`parts`: (rows of raw blocks (N_i, row bytes) uint8, GGML type), in output order."""
         super().__init__()
-        from .int8_kernel import compiled_ops
-
         ops = compiled_ops(required=True)
         self.in_features = in_features
         self.out_features = sum(len(raw) for raw, _ in parts)
@@ -225,6 +224,7 @@ def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> D
             setattr(model.get_submodule(parent), leaf, nn.Parameter(read_float(name).float(), requires_grad=False))
     log.info("%s: %d linear layers on the GGUF's k-quant blocks, %d in int8", path, counts["k-quant"],
              counts["int8"])
+    model.use_compiled_blocks(compiled_ops(required=True))
     release_freed_memory()
     return model.eval()
 
