@@ -195,3 +195,23 @@ def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept
         assert costs.verify(9) == pytest.approx(0.1 + 9 * per_token)  # and two widths at least
     late = sorted(drafted[-100:])
     assert widths[0] <= late[50] <= widths[1]
+
+
+@pytest.mark.parametrize("unread", [500, 10], ids=["a prompt to read", "negative control: caught up"])
+def test_a_draft_model_with_a_prompt_to_read_waits_while_lookup_drafts(unread):
+    """A good draft model that has a long prompt to read first (its prefill) neither drafts
+    nor probes while lookup drafts, however weakly; after CATCH_UP_AFTER steps without a
+    lookup draft it reads it. Caught up, it drafts where lookup is weak, as before."""
+    from speculative.policy.adaptive import CATCH_UP_AFTER
+
+    policy = AdaptivePolicy(max_k=4)
+    costs = Costs(v1=1.0, draft=0.05)
+    for width, seconds in ((2, 1.05), (5, 1.2)):
+        costs.add(width, seconds, robust=False)
+    policy.costs[1] = costs
+    policy.model.observe([4] * 50, [4] * 50)  # the model's drafts are kept
+    policy.weak_lookup.observe([4] * 50, [0] * 50)  # short matches are not
+    used = [policy.plan(1, [3], [False], [4], True, unread).use_model for _ in range(40)]
+    assert not any(used) if unread > 64 else all(used)
+    used = [policy.plan(1, [0], [False], [4], True, unread).use_model for _ in range(CATCH_UP_AFTER)]
+    assert used == [False] * (CATCH_UP_AFTER - 1) + [True] if unread > 64 else all(used)

@@ -29,7 +29,8 @@ batch divided by the step's cost, v(1 + widest draft) + K d. A row expects
 E(n) = 1 + sum_{i=1..n} prod_{j<i} alpha_j tokens from n drafts. K = 0 (a plain target
 step) wins when speculation cannot pay, as happens on CPUs once the batch is large
 enough that a wider forward costs as much as the tokens it saves; a probe step is then
-still tried every `probe_every` steps so that the estimates can recover. Within a step a
+still tried every `probe_every` steps so that the estimates can recover. A draft model
+that has not read a row's prompt waits while lookup drafts (PROBE_UNREAD). Within a step a
 model row stops drafting at a token under the confidence floor: just above the most
 confident bin whose tokens were kept less often than s / v1. The draft forward that made
 the token is spent by the time its confidence is seen, so leaving it out saves only its
@@ -80,6 +81,13 @@ class Plan:
         return preferred if self.lookup_rows is None else self.lookup_rows[row]
 
 
+# A draft model with more than PROBE_UNREAD tokens of a row to read first (a prompt it has
+# not seen) neither probes nor drafts once lookup has drafted, until lookup has found nothing
+# for CATCH_UP_AFTER steps in a row: reading the prompt costs a prefill (3-4 s for Qwen2.5-Coder 0.5B on 850 tokens),
+# wasted where lookup drafts the request (grounded editing).
+PROBE_UNREAD, CATCH_UP_AFTER = 64, 4
+
+
 @dataclass
 class AdaptivePolicy:
     # Upper bound on the draft length.
@@ -98,6 +106,9 @@ class AdaptivePolicy:
     model_idle_steps: int = 0
     # Model steps since one drafted without the confidence floor.
     floor_steps: int = 0
+    # Steps in a row without a lookup draft since lookup last drafted while the draft model
+    # had a prompt to read (CATCH_UP_AFTER: lookup has not drafted since the model read one).
+    lookup_idle_steps: int = CATCH_UP_AFTER
     # Drafting steps in a row, while no one-token forward has been timed (unmeasured costs).
     busy_steps: int = 0
     # Where costs come from for a batch size not planned yet: a `costs.CostBook` shared by
@@ -149,11 +160,17 @@ class AdaptivePolicy:
         return self.tree is not None
 
     def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], max_drafts: list[int],
-             has_model: bool) -> Plan:
+             has_model: bool, model_unread: int = 0) -> Plan:
         """The next step of a batch of this many rows (needs costs for it). Row b has a
         lookup draft of lookup_lengths[b] tokens (`preferred` to the draft model's when its
-        match is long enough) and may draft at most max_drafts[b] tokens."""
+        match is long enough) and may draft at most max_drafts[b] tokens; the draft model
+        has up to `model_unread` tokens of a row to read before it can draft."""
         costs = self.costs[batch]
+        if has_model and model_unread > PROBE_UNREAD:  # the model would first read a prompt
+            self.lookup_idle_steps = self.lookup_idle_steps + 1 if not any(lookup_lengths) else 0
+            has_model = self.lookup_idle_steps >= CATCH_UP_AFTER
+        else:
+            self.lookup_idle_steps = CATCH_UP_AFTER  # until lookup drafts, nothing to wait for
         best, best_widest = self._best_plan(costs, batch, lookup_lengths, preferred, max_drafts, has_model)
         timing = self._timing_step(costs, best, best_widest)
         if timing is not None:
@@ -319,7 +336,7 @@ class FixedPolicy:
         pass  # plans without costs
 
     def plan(self, batch: int, lookup_lengths: list[int], preferred: list[bool], max_drafts: list[int],
-             has_model: bool) -> Plan:
+             has_model: bool, model_unread: int = 0) -> Plan:
         return Plan(self.k, has_model, min_confidence=None)
 
     def observe_step(self, *step) -> None:

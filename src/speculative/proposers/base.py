@@ -8,6 +8,9 @@ engine asks of it; the engine never inspects its type. Per step:
 - `catch_up(sequences)`: before `propose`, the draft model reads what it has not seen
   beyond its last few tokens (a prompt, or text drafted while it sat out) without logits.
   Apart, so that this one-off work is not taken for the cost of drafting.
+- `unread(sequences)`: the most tokens of a row its draft model has yet to read (what a
+  `catch_up` would cost; 0 without a model): the adaptive policy does not probe a model
+  that is a whole prompt behind.
 - `propose(sequences, limits, min_confidence)`: up to limits[b] tokens from the draft
   `model` for row b (rows with limit 0 draft nothing); called only when `model` is not
   None. With `min_confidence`, a row stops before the first token the draft gives less
@@ -90,6 +93,8 @@ class Proposer(Protocol):
 
     def free_drafts(self, sequences: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[bool]]: ...
 
+    def unread(self, sequences: list[list[int]]) -> int: ...
+
     def catch_up(self, sequences: list[list[int]]) -> None: ...
 
     def propose(self, sequences: list[list[int]], limits: list[int],
@@ -130,6 +135,9 @@ class NoDraft:
 
     def free_drafts(self, sequences, limits):
         return [[] for _ in sequences], [False] * len(sequences)
+
+    def unread(self, sequences) -> int:
+        return 0
 
     def catch_up(self, sequences) -> None:
         pass

@@ -84,6 +84,10 @@ class DraftModelProposer:
     def free_trees(self, sequences, limits, top_k, max_nodes):
         return [Tree([], []) for _ in sequences], [False] * len(sequences)
 
+    def unread(self, sequences: list[list[int]]) -> int:
+        """The most tokens of a row the draft has yet to read."""
+        return max((len(seq) - n for seq, n in zip(sequences, self.state.lengths)), default=0)
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         """Read what the draft has not seen, but its last `catch_up` tokens, without logits:
         the prompts of rows that joined (in a forward of their own), and text drafted while

@@ -60,6 +60,10 @@ class HeadProposer(DraftModelProposer):
         self.features = [torch.cat([old, new.to(old.dtype)]) if len(new) else old
                          for old, new in zip(self.features, features)]
 
+    def unread(self, sequences: list[list[int]]) -> int:
+        """The most tokens of a row the draft has yet to read."""
+        return max((len(seq) - n for seq, n in zip(sequences, self.state.lengths)), default=0)
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         """Read what the head has not, but the last `catch_up_limit` tokens, without drafting."""
         self._read_apart(sequences)

@@ -52,6 +52,9 @@ class HybridProposer:
         trees, matched = self.ngram.branch_lookup(sequences, limits, top_k, max_nodes)
         return trees, [n >= self.min_match for n in matched]
 
+    def unread(self, sequences: list[list[int]]) -> int:
+        return self.drafter.unread(sequences)
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         self.drafter.catch_up(sequences)
 

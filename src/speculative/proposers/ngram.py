@@ -147,6 +147,9 @@ class NGramProposer:
     def continuations(seq: list[int], ends: list[int], depth: int) -> list[list[int]]:
         return [seq[end:end + depth] for end in ends]
 
+    def unread(self, sequences) -> int:
+        return 0  # no model
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         pass
 

@@ -123,6 +123,9 @@ class SuffixProposer:
         trees, preferred = self.free_trees(sequences, limits, 1, max(limits, default=0))
         return [t.tokens for t in trees], preferred
 
+    def unread(self, sequences) -> int:
+        return 0  # no model
+
     def catch_up(self, sequences) -> None:
         pass
 

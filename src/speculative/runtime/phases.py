@@ -127,7 +127,9 @@ class ChainPhases(Phases):
         stats.draft_seconds += engine.clock() - started
         policy = self.policy_for(rows, sequences, engine.config.num_draft_tokens)
         with LEARNING:
-            plan = policy.plan(len(rows), [len(d) for d in lookups], preferred, max_drafts, proposer.model is not None)
+            has_model = proposer.model is not None
+            plan = policy.plan(len(rows), [len(d) for d in lookups], preferred, max_drafts, has_model,
+                               proposer.unread(sequences) if has_model else 0)
         lookup = [d[:plan.k] if plan.takes_lookup(i, bool(d), p) else None
                   for i, (d, p) in enumerate(zip(lookups, preferred))]
         limits = [0 if d is not None or not plan.use_model else min(plan.k, most)
