@@ -105,7 +105,8 @@ class Attention(nn.Module):
 
         With a cache, the queries attend over the slots of the slice `slots` (whole
         KEY_BLOCKs), as `mask` (B, T, those slots) allows: in float32 by `cached_attention`, which gives every
-        token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel."""
+        token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel;
+        in an int8 or k-quant model by one compiled call (`use_compiled_blocks`)."""
         batch, width, _ = x.shape
         if cache is not None and self.compiled is not None:  # rotation, cache write and attention in one call
             write, cache_k, cache_v, _, mask = cache

@@ -11,6 +11,7 @@ policy learn. `ChainPhases` drafts chains (at most K tokens per row), `TreePhase
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,10 @@ class Phases:
     """What chain and tree steps share: the step's policy, and committing rows."""
 
     def __init__(self, engine):
-        self.engine = engine  # its proposer and target state are replaced on restart: read them each step
+        # Its proposer and target state are replaced on restart: read them each step. A weak
+        # reference: the engine holds its phases, and a cycle would keep a finished engine's
+        # KV caches alive until Python's cyclic collector runs (which counts objects, not bytes).
+        self.engine = weakref.proxy(engine)
 
     def policy_for(self, rows: list[Row], sequences: list[list[int]], widest: int):
         """The policy of this step (fixed while a seeded sampled row runs), with costs for
