@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Torch threads of each test process: SPECULATIVE_TEST_THREADS, else this machine's (at most 2)
@@ -23,3 +24,14 @@ def pytest_terminal_summary(terminalreporter, config):
         left = len(terminalreporter.stats.get("deselected", []))  # 0 under pytest-xdist: its workers deselect
         terminalreporter.write_line(f"{f'{left} ' if left else ''}slow tests left out (long statistical and "
                                     "end-to-end tests); `make test-all` runs every test")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The compiled kernels (models/csrc), or a skip where they cannot be built."""
+    from speculative.models.int8_kernel import compiled_ops
+
+    try:
+        return compiled_ops(required=True)
+    except RuntimeError as error:
+        pytest.skip(str(error))

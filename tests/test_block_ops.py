@@ -12,18 +12,9 @@ import torch.nn.functional as F
 
 from speculative import load_model, save_model
 from speculative.models.attention import cached_attention, rope_table, rotate
-from speculative.models.int8_kernel import compiled_ops
 from tests.helpers import tiny
 
 B, T, H, G, D, S = 2, 5, 6, 2, 64, 1024
-
-
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        return compiled_ops(required=True)
-    except RuntimeError as error:
-        pytest.skip(str(error))
 
 
 def isas(ops):

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
-from speculative.models.int8_kernel import compiled_ops
 from speculative.models.kernels import Int8Linear
 from speculative.models.kquant import KQuantLinear, load_kquant, read_gguf_tensors
 from speculative.models.native import checkpoint_reader, native_config
@@ -26,14 +25,6 @@ gguf = pytest.importorskip("gguf")
 
 Q4_K, Q6_K, Q8_0 = 12, 14, 8
 ISAS = ["auto", "avx2", "plain"]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        return compiled_ops(required=True)
-    except RuntimeError as error:
-        pytest.skip(str(error))
 
 
 def random_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
