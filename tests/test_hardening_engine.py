@@ -213,6 +213,22 @@ def unused_token(reference) -> int:
     return next(t for t in range(63, 0, -1) if t not in used)
 
 
+def test_non_finite_rows_are_those_with_nan_or_inf_or_no_finite_value():
+    """-inf alone marks a token impossible (allowed); NaN, +inf or a row of nothing but -inf
+    cannot give a token; positions past a row's count do not matter."""
+    from speculative.core.sampling import non_finite_rows
+
+    logits = torch.randn(6, 2, 50)
+    logits[1, 0, :10] = float("-inf")  # fine
+    logits[2, 1, 7] = float("nan")
+    logits[3, 0, 3] = float("inf")
+    logits[4, 1] = float("-inf")
+    logits[5, 1, 0] = float("nan")  # past row 5's count below
+    assert non_finite_rows(logits) == [2, 3, 4, 5]
+    assert non_finite_rows(logits, [2, 2, 2, 2, 2, 1]) == [2, 3, 4]
+    assert non_finite_rows(logits[:, 0]) == [3] and non_finite_rows(logits[:2]) == []
+
+
 @pytest.mark.parametrize("config", [CHAIN, TREE], ids=["chains", "trees"])
 @pytest.mark.parametrize("side", ["target", "draft"])
 def test_non_finite_logits_fail_their_request_only(models, reference, config, side):

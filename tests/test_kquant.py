@@ -137,6 +137,33 @@ def test_every_instruction_set_gives_the_same_bits(ops):
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
+def test_activations_quantize_alike_on_every_instruction_set_at_the_edges(ops):
+    """Ties round to even, a NaN element neither raises the peak nor spreads (it becomes -127),
+    an infinite element makes its row NaN, zeros stay zeros: the vector quantizers (csrc/quantize.h)
+    keep the scalar semantics, compared here bit for bit with the plain C++ path and the reference."""
+    parts = [(random_blocks(32, 512, Q4_K, 3), Q4_K)]
+    layer = KQuantLinear(parts, 512)
+    x = torch.randn(5, 512)
+    x[0, :256] = torch.arange(256) % 9 - 4.5  # peak 127 below: every element a tie at scale 1
+    x[0, 7] = 127.0
+    x[1, 300] = float("nan")
+    x[2, 10] = float("inf")
+    x[3] = 0
+    expected = {}
+    for isa in ISAS if ops.int8_isa() != "plain" else ["plain"]:
+        layer.isa = isa
+        expected[isa] = layer(x)
+    layer.isa = "plain"
+    plain = expected.pop("plain", None) if len(expected) > 1 else next(iter(expected.values()))
+    for isa, out in expected.items():
+        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0)), isa
+    assert plain[2].isnan().all() and not plain[[0, 1, 3, 4]].isnan().any()
+    assert torch.equal(plain[[0, 3, 4]], reference(x[[0, 3, 4]], *layer.runs[0]))
+    as_peak = x[[1]].nan_to_num(0.0)
+    as_peak[0, 300] = -as_peak[0, 256:].abs().max()  # what the NaN counts as: -127 at its block's peak
+    assert torch.equal(plain[1], layer(as_peak)[0])
+
+
 def test_bad_packing_input_is_refused_with_what_is_allowed(ops):
     raw = torch.from_numpy(random_blocks(4, 256, Q4_K, 3))
     with pytest.raises(RuntimeError, match="not Q4_K"):

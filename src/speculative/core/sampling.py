@@ -27,10 +27,13 @@ class NonFiniteLogits(ValueError):
 def non_finite_rows(logits: torch.Tensor, counts: list[int] | None = None) -> list[int]:
     """Rows b of logits (B, T, V) or (B, V) whose first counts[b] positions hold NaN or +inf,
     or no finite value (-inf alone marks a token impossible, which a model may do)."""
-    if bool(torch.isfinite(logits).all()):
+    # A row's maximum is NaN (amax propagates it), +inf, or -inf (no finite value) exactly where
+    # it cannot give a token: one reduction (Gemma's 262k logits at width 25: 1 ms, where
+    # isfinite(logits).all() took 25).
+    peaks = logits.amax(-1)
+    if bool(torch.isfinite(peaks).all()):
         return []
-    logits = logits if logits.dim() == 3 else logits[:, None]
-    bad = (logits.isnan() | (logits == float("inf"))).any(-1) | ~torch.isfinite(logits).any(-1)  # (B, T)
+    bad = ~torch.isfinite(peaks if logits.dim() == 3 else peaks[:, None])  # (B, T)
     if counts is not None:
         bad &= torch.arange(bad.shape[1], device=bad.device)[None] < torch.tensor(counts, device=bad.device)[:, None]
     return bad.any(-1).nonzero().flatten().tolist()

@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("speculative")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "block_ops.cpp"]  # one library; csrc/isa.h shared
+SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "block_ops.cpp"]  # one library; csrc/*.h shared
 CHOICES = ("auto", "compiled", "fbgemm")
 
 
@@ -92,7 +92,7 @@ def _build(compiler: str) -> Path:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     flags = _flags()
-    texts = [file.read_text() for file in [*SOURCES, CSRC / "isa.h"]]
+    texts = [file.read_text() for file in [*SOURCES, *sorted(CSRC.glob("*.h"))]]
     digest = hashlib.sha256("\n".join([*texts, torch.__version__, version, *flags]).encode())
     root = Path(os.environ.get("SPECULATIVE_KERNEL_CACHE") or cache_root() / "kernels")
     library = root / f"int8_matmul-{digest.hexdigest()[:16]}" / "int8_matmul.so"

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "quantize.h"
 
 namespace {
 
@@ -66,31 +67,30 @@ int64_t block_bytes(int64_t bits) { return bits == 4 ? Layout<4>::kBytes : Layou
 
 // Each row of x (M, K) to int8 per super-block (scale absmax / 127), with the integer sums of
 // each sub-block of `sub` columns, by pairs in 16-bit halves: q (M, K), xs (M, K / 256), xsum (M, K / sub / 2).
-void quantize_rows(const float* x, int64_t M, int64_t K, int sub, int8_t* q, float* xs, int32_t* xsum) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int sub, int8_t* q, float* xs, int32_t* xsum, Isa isa) {
   const int64_t blocks = K / kBlock;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* in = x + m * K + b * kBlock;
-      int8_t* out = q + m * K + b * kBlock;
-      float peak = 0.f;
-      for (int k = 0; k < kBlock; ++k) peak = std::max(peak, std::fabs(in[k]));
-      float& scale = xs[m * blocks + b];
-      if (!(peak > 0.f) || !std::isfinite(peak)) {  // zeros give 0; inf or nan give nan
-        std::fill(out, out + kBlock, int8_t(0));
-        scale = peak == 0.f ? 0.f : std::numeric_limits<float>::quiet_NaN();
-      } else {
-        const float inverse = 127.f / peak;
-        for (int k = 0; k < kBlock; ++k)
-          out[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(in[k] * inverse))));
-        scale = peak / 127.f;
+  at::parallel_for(0, M, speculative::quantize_grain(K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* in = x + m * K + b * kBlock;
+        int8_t* out = q + m * K + b * kBlock;
+        const float peak = speculative::abs_max(in, kBlock, isa);
+        float& scale = xs[m * blocks + b];
+        if (!(peak > 0.f) || !std::isfinite(peak)) {  // zeros give 0; inf or nan give nan
+          std::fill(out, out + kBlock, int8_t(0));
+          scale = peak == 0.f ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        } else {
+          speculative::to_int8(in, kBlock, 127.f / peak, out, isa);
+          scale = peak / 127.f;
+        }
+        for (int j = 0; j < kBlock / sub; j += 2) {  // two sub-blocks' sums as 16-bit halves (|sum| < 2^13)
+          int32_t sums[2] = {0, 0};
+          for (int k = 0; k < 2 * sub; ++k) sums[k / sub] += out[j * sub + k];
+          const uint32_t pair = uint32_t(uint16_t(sums[0])) | (uint32_t(uint16_t(sums[1])) << 16);
+          xsum[(m * blocks + b) * (kBlock / sub / 2) + j / 2] = int32_t(pair);
+        }
       }
-      for (int j = 0; j < kBlock / sub; j += 2) {  // two sub-blocks' sums as 16-bit halves (|sum| < 2^13)
-        int32_t sums[2] = {0, 0};
-        for (int k = 0; k < 2 * sub; ++k) sums[k / sub] += out[j * sub + k];
-        const uint32_t pair = uint32_t(uint16_t(sums[0])) | (uint32_t(uint16_t(sums[1])) << 16);
-        xsum[(m * blocks + b) * (kBlock / sub / 2) + j / 2] = int32_t(pair);
-      }
-    }
+  });
 }
 
 // Pointers into one packed super-block of a group.
@@ -447,7 +447,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   std::vector<int8_t> q(M * K);
   std::vector<float> xs(M * blocks);
   std::vector<int32_t> xsum(M * K / sub / 2);
-  quantize_rows(flat.data_ptr<float>(), M, K, sub, q.data(), xs.data(), xsum.data());
+  quantize_rows(flat.data_ptr<float>(), M, K, sub, q.data(), xs.data(), xsum.data(), isa);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   TORCH_CHECK(!b || bias->numel() == N, "kquant_linear: bias must have N = ", N, " elements");
