@@ -31,13 +31,13 @@ def test_rms_norm_is_pytorchs_and_each_row_gets_its_bits_alone_on_every_instruct
                for i in range(3) for j in range(5))
 
 
-def inputs(starts=(300, 700)):
+def inputs(starts=(300, 700), head_size=D, span=S):
     torch.manual_seed(1)
-    qkv = torch.randn(B, T, (H + 2 * G) * D)
-    keys, values = torch.randn(B, G, S, D), torch.randn(B, G, S, D)
-    cos, sin = rope_table(1e4, D, 0, 2048, "cpu")
+    qkv = torch.randn(B, T, (H + 2 * G) * head_size)
+    keys, values = torch.randn(B, G, S, head_size), torch.randn(B, G, S, head_size)
+    cos, sin = rope_table(1e4, head_size, 0, 2048, "cpu")
     slots = torch.tensor(starts)[:, None] + torch.arange(T)
-    mask = torch.arange(S)[None, None, :] <= slots[:, :, None]
+    mask = torch.arange(span)[None, None, :] <= slots[:, :, None]
     return qkv, cos[slots].unsqueeze(1), sin[slots].unsqueeze(1), keys, values, slots, mask
 
 
@@ -55,19 +55,25 @@ def test_attention_writes_the_cache_as_pytorch_does_and_attends_as_cached_attent
     torch.testing.assert_close(out, expected)
 
 
-def test_attention_gives_each_query_its_bits_alone_on_every_instruction_set(ops):
-    qkv, cos, sin, keys, values, slots, mask = inputs()
+@pytest.mark.parametrize("head_size, span", [(64, 1024), (128, 1000), (256, 1010), (40, 1000)])
+def test_attention_gives_each_query_its_bits_alone_on_every_instruction_set(ops, head_size, span):
+    """Head sizes with AVX512 paths of their own (64, 128, 256) and one without; spans with
+    and without a last partial block of 16 slots; slots no query sees hold NaN, which must
+    not reach any output."""
+    qkv, cos, sin, keys, values, slots, mask = inputs(head_size=head_size, span=span)
+    keys[:, :, 720:], values[:, :, 720:] = float("nan"), float("nan")  # past every query's position
     results = [ops.block_attention(qkv, cos, sin, keys.clone(), values.clone(), slots, mask, H, G, 0.125, isa)
                for isa in isas(ops)]
+    assert not results[0].isnan().any()
     assert all(torch.equal(result, results[0]) for result in results)
     cache_k, cache_v = keys.clone(), values.clone()
     ops.block_attention(qkv, cos, sin, cache_k, cache_v, slots, mask, H, G, 0.125, "auto")  # all written
     for b in range(B):
         for t in range(T):
-            span = (int(slots[b, t]) // 512 + 1) * 512  # only the key blocks it can see
+            seen = (int(slots[b, t]) // 512 + 1) * 512  # only the key blocks it can see
             alone = ops.block_attention(qkv[b:b + 1, t:t + 1], cos[b:b + 1, :, t:t + 1], sin[b:b + 1, :, t:t + 1],
                                         cache_k[b:b + 1].clone(), cache_v[b:b + 1].clone(), slots[b:b + 1, t:t + 1],
-                                        mask[b:b + 1, t:t + 1, :span], H, G, 0.125, "auto")
+                                        mask[b:b + 1, t:t + 1, :min(seen, span)], H, G, 0.125, "auto")
             assert torch.equal(alone[0, 0], results[0][b, t]), (b, t)
 
 
