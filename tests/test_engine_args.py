@@ -156,3 +156,24 @@ def test_build_gives_the_engine_and_the_decoder_the_options_ask_for():
     ids = plain.tokenizer.encode("def add(a, b):")
     assert built.decoder().generate(ids, 0) == [] and plain.decoder().generate(ids, 4) == EngineArgs(
         draft="ngram").build().decoder().generate(ids, 4)  # greedy: the same tokens whatever drafts
+
+
+def test_draft_vocab_auto_reduces_only_a_draft_model_over_a_large_vocabulary(monkeypatch):
+    """auto (the default): AUTO_DRAFT_VOCAB tokens for a draft model over more than LARGE_VOCAB
+    (Qwen2.5-Coder 0.5B's 151,936), all tokens for smaller ones and for lookup; a number given
+    is taken as it is, 0 meaning all tokens."""
+    from speculative.proposers import NGramProposer
+    from speculative.train import vocab
+    from tests.helpers import tiny
+
+    counted = []
+    monkeypatch.setattr(vocab, "corpus_vocab", lambda tokenizer, n, corpus: counted.append((n, corpus)) or n)
+    large, small = tiny("decoder_only", vocab=vocab.LARGE_VOCAB + 1), tiny("decoder_only", vocab=vocab.LARGE_VOCAB)
+    assert [vocab.auto_size(large), vocab.auto_size(small)] == [vocab.AUTO_DRAFT_VOCAB, 0]
+    assert vocab.auto_size(NGramProposer()) == vocab.auto_size(None) == 0
+    auto = EngineArgs(draft="default-draft").validate()
+    assert auto.draft_vocab is None
+    assert [auto.vocabulary(None, large), auto.vocabulary(None, small)] == [vocab.AUTO_DRAFT_VOCAB, None]
+    assert EngineArgs(draft_vocab=0).vocabulary(None, large) is None
+    assert EngineArgs(draft_vocab=100).vocabulary(None, small) == 100
+    assert counted == [(vocab.AUTO_DRAFT_VOCAB, "stdlib"), (100, "stdlib")]

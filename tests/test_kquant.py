@@ -291,6 +291,28 @@ def test_greedy_speculation_on_a_kquant_target_is_its_own_greedy_decoding(kquant
         assert decoder.acceptance_rate() == 1.0
 
 
+def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_run(tmp_path, ops, monkeypatch):
+    """auto takes the GGUF's own blocks for a model made from one (a preset; here the file
+    the test model is made from) on a CPU where it would pick int8, and not elsewhere."""
+    from speculative.models import kquant, precision, presets
+
+    root = write_model(tmp_path, vocab=64, seed=4, int8_layer=True)
+    layer_weights = {part: rows * HIDDEN for part, rows in (("q", HIDDEN), ("k", HIDDEN // HEADS * KV_HEADS),
+                                                            ("v", HIDDEN // HEADS * KV_HEADS), ("o", HIDDEN))}
+    total = LAYERS * (sum(layer_weights.values()) + 3 * INTERMEDIATE * HIDDEN)
+    assert kquant.kquant_share(root / "model.gguf") == pytest.approx(1 - layer_weights["q"] / total)
+    monkeypatch.setattr(presets, "source_gguf", lambda path: root / "model.gguf" if path == root else None)
+    monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
+    for vnni, share, blocks in ((True, None, True), (False, None, False), (True, 0.4, False)):
+        monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
+        if share is not None:  # a file with less than half its layers' weights in Q4_K or Q6_K
+            monkeypatch.setattr(kquant, "kquant_share", lambda gguf, share=share: share)
+        model = load_model(root, dtype="auto")
+        assert isinstance(model.layers[1].mlp.down_proj, KQuantLinear) == blocks, (vnni, share)
+        if vnni and not blocks:
+            assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # int8, as before
+
+
 def test_dtype_gguf_names_what_it_needs(tmp_path):
     from tests.helpers import tiny
     from speculative import save_model

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..core.config import MAX_NEW_TOKENS, MAX_TREE_TOKENS, MAX_TREE_TOP_K
 from .cli_checks import integer, integer_list
+from ..train.vocab import auto_size
 from .engine_args import EngineArgs, draft_model_name
 
 
@@ -117,7 +118,8 @@ def run_bench(args) -> int:
     report = bench(target, drafts, prompts, args.max_new_tokens, args.runs, ks, tokenizer.eos_token_ids or None,
                    ngram=not args.no_ngram or "ngram" in (args.drafts or []), adaptive=not args.no_adaptive,
                    peers=not args.no_peers, lookup=tuple(name for name in drafts if name.endswith("+ngram")), log=log,
-                   draft_vocab=engine_args.vocabulary(tokenizer), progress=True,
+                   draft_vocab=engine_args.vocabulary(tokenizer, next(
+                       (draft for draft in drafts.values() if auto_size(draft)), None)), progress=True,
                    tree=None if args.tree_children is None else (args.tree_children, args.tree_max_tokens))
     report["target"] = args.target
     print(table(report, legend=True))

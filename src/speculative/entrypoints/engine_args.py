@@ -75,8 +75,9 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "auto"
     draft_dtype: str = "auto"
-    # The draft model scores only this many frequent tokens of draft_vocab_corpus (0: all).
-    draft_vocab: int = 0
+    # The draft model scores only this many frequent tokens of draft_vocab_corpus (0: all;
+    # None: auto, train.vocab.auto_size).
+    draft_vocab: int | None = None
     draft_vocab_corpus: str = "stdlib"
     # Requests one engine runs at once.
     max_batch_size: int = 8
@@ -157,15 +158,16 @@ class EngineArgs:
                 raise ValueError(f"{option} must be a finite number >= 0, got {value!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be a finite number > 0 and <= 1, got {self.top_p!r}")
-        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
-            raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {self.draft_vocab}")
+        vocab = self.draft_vocab
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 0):
+            raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {vocab}")
 
     def check_draft_options(self) -> None:
         """Refuse options that would do nothing with the chosen draft. Values equal to an
         option's default count as left out."""
         unused = []
         if self.draft in NO_MODEL:
-            unused += [name for name, used in (("--draft-vocab", self.draft_vocab != 0),
+            unused += [name for name, used in (("--draft-vocab", bool(self.draft_vocab)),
                                                ("--draft-dtype", self.draft_dtype != "auto"),
                                                ("--draft-temperature", self.draft_temperature != 1.0)) if used]
         if self.draft == "none":
@@ -220,7 +222,7 @@ class EngineArgs:
         for model, role in built.models():
             check_draft_width(args.num_draft_tokens, model, role, "--num-draft-tokens (-k)")
         if draft is not None and args.draft not in LOOKUPS:
-            built.draft_vocab = args.vocabulary(tokenizer)
+            built.draft_vocab = args.vocabulary(tokenizer, draft)
         return built
 
     def load_target(self):
@@ -249,13 +251,13 @@ class EngineArgs:
         device = check_device(self.device, "--device")
         return load_draft(draft_model_name(self.draft), device=device, dtype=self.draft_dtype)
 
-    def vocabulary(self, tokenizer):
-        """The reduced draft vocabulary --draft-vocab asks for, or None (all tokens)."""
-        if not self.draft_vocab:
-            return None
-        from ..train.vocab import corpus_vocab
+    def vocabulary(self, tokenizer, draft=None):
+        """The reduced draft vocabulary --draft-vocab asks for (auto: `vocab.auto_size` of
+        `draft`), or None (all tokens)."""
+        from ..train import vocab
 
-        return corpus_vocab(tokenizer, self.draft_vocab, self.draft_vocab_corpus)
+        size = vocab.auto_size(draft) if self.draft_vocab is None else self.draft_vocab
+        return vocab.corpus_vocab(tokenizer, size, self.draft_vocab_corpus) if size else None
 
 
 @dataclass
@@ -369,13 +371,12 @@ def add_precision(group) -> None:
                        "int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only its "
                        "proposals, never the output. auto = int8 on CPUs that run it, for draft heads and for "
                        "drafts of 4M weights or more, else as --dtype (default: %(default)s)")
-    group.add_argument("--draft-vocab", type=int, default=0, help="the draft model scores only the N most "
+    group.add_argument("--draft-vocab", type=int, default=None, help="the draft model scores only the N most "
                        "frequent tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much "
-                       "of a small draft's cost; output unchanged). 0 = all tokens (default)")
+                       "of a small draft's cost; output unchanged). 0 = all tokens. Default: auto, 32768 for a "
+                       "draft model over more than 65536 tokens (qwen2.5-coder-0.5b), all tokens otherwise")
     group.add_argument("--draft-vocab-corpus", default="stdlib", help="where --draft-vocab counts tokens: 'stdlib' "
                        "(Python code) or a text or JSONL file (default: %(default)s)")
 
-
-__all__ = ["EngineArgs", "Built", "LOOKUPS", "LOOKUP_K", "MODEL_K", "describe_draft", "draft_model_name"]
 
 __all__ = ["EngineArgs", "Built", "LOOKUPS", "LOOKUP_K", "MODEL_K", "describe_draft", "draft_model_name"]

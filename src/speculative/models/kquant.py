@@ -175,9 +175,40 @@ def gguf_tensor_names(name: str, tensors) -> list[str]:
     return [f"blk.{layer}.{GGUF_NAMES[part][0]}.weight" for part in parts]
 
 
-def load_preset(path: Path, config: dict, device) -> DecoderOnlyLM:
+def kquant_share(gguf: Path) -> float:
+    """Of the weights in a GGUF file's layer matrices (blk.*), the share stored in blocks the
+    kernel runs (Q4_K, Q6_K): nearly all of Qwen2.5-Coder's Q4_K_M files, little of Gemma 3
+    270M's (Q5_0 and Q8_0 mostly)."""
+    total = kernel = 0
+    for tensor in read_gguf_tensors(gguf).values():
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            total += tensor.shape[0] * tensor.shape[1]
+            kernel += tensor.shape[0] * tensor.shape[1] if tensor.data is not None else 0
+    return kernel / total if total else 0.0
+
+
+def auto_reason(path: Path, device, weights: int) -> str | None:
+    """Why `auto` runs a model directory of `weights` matrix weights on the k-quant blocks of
+    the GGUF file it was made from, or None where it does not: only where `auto` would pick
+    int8 (a CPU with VNNI and no AMX, INT8_MIN_WEIGHTS or more) and the file keeps at least
+    half of its layers' weights in Q4_K or Q6_K. There the file's own blocks decode faster
+    than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the int8
+    model is quantized again from their float copy."""
+    from . import presets, precision
+
+    if (torch.device(device).type != "cpu" or not precision.cpu_has_int8() or not path.is_dir()
+            or weights < precision.INT8_MIN_WEIGHTS):
+        return None
+    gguf = presets.source_gguf(path)
+    if gguf is None or kquant_share(gguf) < 0.5 or compiled_ops() is None:
+        return None
+    return (f"auto: gguf, the k-quant blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively "
+            "(VNNI, no AMX): a forward reads about two thirds of int8's bytes, and every width gets the same bits")
+
+
+def load_preset(path: Path, config: dict, device, reason: str | None = None) -> DecoderOnlyLM:
     """A preset's checkpoint directory (config.json `config`) on the k-quant blocks of the GGUF
-    file it was made from; a clear error for anything else."""
+    file it was made from; a clear error for anything else. `reason`: why (None: asked for)."""
     from . import presets
     from .native import checkpoint_reader, native_config
 
@@ -189,8 +220,8 @@ def load_preset(path: Path, config: dict, device) -> DecoderOnlyLM:
                          "(use int8, auto, float32 or bfloat16)")
     if torch.device(device).type != "cpu":
         raise ValueError(f"dtype gguf runs on CPUs, not on {device}")
-    log.info("%s: gguf, as asked (the k-quant blocks of %s, int8 activations per 256 columns, float32 else)",
-             path, gguf)
+    log.info("%s: %s", path, reason or f"gguf, as asked (the k-quant blocks of {gguf}, int8 activations per 256 "
+             "columns, float32 else)")
     return load_kquant(path, native, gguf, checkpoint_reader(path, native))
 
 

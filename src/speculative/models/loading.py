@@ -31,6 +31,7 @@ from .head import HEAD_TYPE, load_head
 from .int8 import quantize_model
 from .kernels import int8_available, pack_linears, packing_available
 from .native import generation_eos, load_native, native_config
+from .kquant import auto_reason
 from .precision import GGUF, INT8, resolve_precision
 from .text import TextTokenizer
 
@@ -93,6 +94,8 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     if dtype == GGUF:
         return _load_kquant(path, config, device)
     weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
+    if weights is not None and (reason := auto_reason(path, device, weights)) is not None:
+        return _load_kquant(path, config, device, reason)
     int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))
     log.info("%s: %s", name_or_path, reason)
     prepare = lambda m: _prepare(m, name_or_path, pack, int8)  # noqa: E731
@@ -126,11 +129,11 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     return _load_transformers(path, device, torch_dtype, prepare)
 
 
-def _load_kquant(path: Path, config: dict, device):
-    """A GGUF preset on its file's own k-quant blocks (`kquant.py`)."""
+def _load_kquant(path: Path, config: dict, device, reason: str | None = None):
+    """A GGUF preset on its file's own k-quant blocks (`kquant.py`); `reason`: auto's."""
     from .kquant import load_preset
 
-    model = load_preset(path, config, device)
+    model = load_preset(path, config, device, reason)
     model.tokenizer = _checkpoint_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
     return model
 

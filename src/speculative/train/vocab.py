@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +24,26 @@ import torch
 
 # Characters of corpus text counted: enough for stable ranks of the top tens of thousands.
 CORPUS_CHARS = 4_000_000
+# --draft-vocab auto: a draft model over a vocabulary of more than LARGE_VOCAB tokens scores
+# only the AUTO_DRAFT_VOCAB most frequent. Qwen2.5-Coder 0.5B (151,936 tokens) drafting for
+# 1.5B on a Zen 4, against llama.cpp: chat 1.04-1.08x with it, 0.96-0.99x without.
+LARGE_VOCAB, AUTO_DRAFT_VOCAB = 65_536, 32_768
+
+log = logging.getLogger("speculative")
+
+
+def auto_size(draft) -> int:
+    """The reduced vocabulary --draft-vocab auto gives `draft` (0: all tokens): AUTO_DRAFT_VOCAB
+    for a draft model over more than LARGE_VOCAB tokens; never for a draft head, which keeps
+    the vocabulary it was trained with, nor for lookup."""
+    from ..models.head import DraftHead
+    from ..proposers import Proposer
+
+    if draft is None or isinstance(draft, (DraftHead, Proposer)) or getattr(draft, "vocab_size", 0) <= LARGE_VOCAB:
+        return 0
+    log.info("--draft-vocab auto: the draft model scores the %d most frequent of its %d tokens", AUTO_DRAFT_VOCAB,
+             draft.vocab_size)
+    return AUTO_DRAFT_VOCAB
 
 
 def frequent_tokens(tokenizer, texts: Iterable[str], n: int) -> torch.Tensor:
