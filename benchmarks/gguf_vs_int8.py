@@ -1,4 +1,6 @@
-"""`--dtype gguf` (the GGUF's own Q4_K/Q6_K blocks) against int8 and llama.cpp, Qwen2.5-Coder 1.5B.
+"""`--dtype gguf` (the GGUF's own Q4_K/Q6_K blocks, what `auto` picks on CPUs with VNNI) against
+int8 and llama.cpp, Qwen2.5-Coder 1.5B, plain and speculative (lookup + the 0.5B int8 draft;
+the default also has the draft score 32k tokens, `--draft-vocab auto`).
 
     python benchmarks/gguf_vs_int8.py [PROMPTS_PER_WORKLOAD]   # default 2; needs llama-cpp-python
 
@@ -32,8 +34,10 @@ def main(limit: int) -> None:
     default = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
     methods = {"llama.cpp plain": V.llama_method(gguf, False),
                "ours int8 plain": V.engine_method(int8), "ours gguf plain": V.engine_method(kquant),
-               "ours int8 default": V.engine_method(int8, draft, default),
-               "ours gguf default": V.engine_method(kquant, draft, default)}
+               "ours int8 + lookup + draft": V.engine_method(int8, draft, default),
+               "ours gguf + lookup + draft": V.engine_method(kquant, draft, default),
+               "ours default (gguf, 32k vocab)": V.engine_method(kquant, draft, default,
+                                                                 V.default_vocab(kquant.tokenizer))}
     eos = set(kquant.tokenizer.eos_token_ids)
     for workload, prompts in qwen_workloads(kquant.tokenizer, limit=limit).items():
         print(f"{workload}: prompts of {[len(p) for p in prompts]} tokens", flush=True)
@@ -49,9 +53,11 @@ def main(limit: int) -> None:
             rate = statistics.median(V.speeds(r[name])[0] for r in rounds)
             print(f"  {name:20s} {ratio[0]:.2f}x / {ratio[1]:.2f}x ({rate:.1f} tok/s)", flush=True)
         outputs = {name: [out for out, _, _ in rounds[-1][name]] for name in methods}
-        for kind in ("int8", "gguf"):
-            same = sum(a == b for a, b in zip(outputs[f"ours {kind} default"], outputs[f"ours {kind} plain"]))
-            print(f"  {kind} default identical to {kind} plain: {same}/{len(prompts)}")
+        for name in methods:
+            if name.startswith("ours") and "plain" not in name:
+                plain = "ours int8 plain" if "int8" in name else "ours gguf plain"
+                same = sum(a == b for a, b in zip(outputs[name], outputs[plain]))
+                print(f"  {name} identical to {plain}: {same}/{len(prompts)}")
         print("  tokens shared by gguf plain and llama.cpp plain:",
               [V.shared(a, b) for a, b in zip(outputs["ours gguf plain"], outputs["llama.cpp plain"])], flush=True)
 

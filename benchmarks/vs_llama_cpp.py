@@ -6,8 +6,9 @@
 
 llama.cpp (llama-cpp-python) runs the Q4_K_M GGUF file itself: plain greedy decoding, and
 with its `LlamaPromptLookupDecoding` (10 tokens drafted from the prompt). Ours runs the
-same file's weights as the presets make them (dequantized once, then bfloat16 or int8):
-plain decoding in bfloat16 and in int8, and speculative decoding on the int8 target. Each
+same file's weights: its own Q4_K/Q6_K blocks (gguf, what `auto` picks on CPUs with VNNI),
+or as the presets make them (dequantized once, then bfloat16 or int8): plain decoding in
+each, and speculative decoding on the int8 and gguf targets. Each
 round goes prompt by prompt, every method in turn (each prompt starting the turn at
 another method), greedy, 128 new tokens or the end of the answer; speeds are medians over
 rounds of same-round ratios to llama.cpp's plain decoding. Two speeds per method:
@@ -57,10 +58,11 @@ def llama_method(path: str, lookup: bool):
     return run
 
 
-def engine_method(target, draft=None, config: SpeculativeConfig | None = None):
+def engine_method(target, draft=None, config: SpeculativeConfig | None = None, draft_vocab=None):
     """Ours: plain decoding (no draft) through the engine, or a speculative decoder whose
-    adaptive policy learns across prompts, as `generate` and `serve` keep one."""
-    decoder = None if draft is None else SpeculativeDecoder(target, draft, config)
+    adaptive policy learns across prompts, as `generate` and `serve` keep one (the draft
+    model scoring `draft_vocab` only, when given)."""
+    decoder = None if draft is None else SpeculativeDecoder(target, draft, config, draft_vocab=draft_vocab)
 
     def run(ids, max_new, eos):
         start, first, out = time.perf_counter(), None, []
@@ -138,14 +140,22 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
     lookup = NGramProposer(num_draft_tokens=16)
     ours = {"ours int8 + lookup": engine_method(target, lookup, SpeculativeConfig(num_draft_tokens=16)),
             "ours int8 + 0.5B int8 draft": engine_method(target, draft, SpeculativeConfig(num_draft_tokens=4)),
-            "ours int8 + lookup + 0.5B draft (default)": engine_method(
+            "ours int8 + lookup + 0.5B draft": engine_method(
                 target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
     kquant = load_model("qwen2.5-coder-1.5b", dtype="gguf")  # the file's own Q4_K / Q6_K blocks
     ours.update({"ours gguf plain": engine_method(kquant),
-                 "ours gguf + lookup + 0.5B draft": engine_method(
-                     kquant, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))})
+                 "ours gguf + lookup + 0.5B draft, 32k vocab (default)": engine_method(
+                     kquant, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True),
+                     default_vocab(target.tokenizer))})
     compare(save_per_machine, "llama-cpp", "Against llama.cpp: Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF", gguf,
             "qwen2.5-coder-1.5b", target, ours, workloads(target.tokenizer), runs, log)
+
+
+def default_vocab(tokenizer):
+    """The reduced vocabulary `--draft-vocab auto` gives the 0.5B draft (train/vocab.py)."""
+    from speculative.train.vocab import AUTO_DRAFT_VOCAB, corpus_vocab
+
+    return corpus_vocab(tokenizer, AUTO_DRAFT_VOCAB)
 
 
 def gemma_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:

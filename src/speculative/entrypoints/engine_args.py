@@ -363,8 +363,9 @@ def add_precision(group) -> None:
                        "speculation reproduces exactly (its forward gives each token the same bits at any width), "
                        "with about half of bfloat16's bytes to read per token. gguf: a GGUF preset (qwen2.5-coder-"
                        "1.5b, ...) on its file's own Q4_K/Q6_K blocks, int8 activations per 256 columns, exact "
-                       "and width-invariant too (docs/precision.md). auto = int8 for models of 100M "
-                       "weights or more on CPUs with VNNI and no AMX (Zen 4), else bfloat16 on CPUs that multiply "
+                       "and width-invariant too (docs/precision.md). auto = on CPUs with VNNI and no AMX (Zen 4): gguf "
+                       "for a preset whose file is mostly Q4_K/Q6_K (qwen2.5-coder-*), int8 for other models of "
+                       "100M weights or more; else bfloat16 on CPUs that multiply "
                        "it natively (AVX512-BF16, AMX) and on GPUs, else float32; --verbose says what it chose and "
                        "why (default: %(default)s). Logits are compared in float32 whatever the weights are")
     group.add_argument("--draft-dtype", default="auto", choices=CHOICES, help="execution dtype of a draft model; "

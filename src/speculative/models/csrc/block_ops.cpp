@@ -163,7 +163,8 @@ __attribute__((target("avx512f"))) void attend_queries_avx512(const float* const
         if (seen[r][slot]) {
           const __m512 weight = _mm512_set1_ps(scores[r * span + slot]);
           const float* v = values + slot * D;
-          for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, _mm512_loadu_ps(v + 16 * c)));
+          for (int c = 0; c < CHUNKS; ++c)
+            acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(weight, _mm512_loadu_ps(v + 16 * c)));
         }
       for (int c = 0; c < CHUNKS; ++c) _mm512_store_ps(mixed[r] + 16 * c, acc[c]);
     }
