@@ -2,7 +2,7 @@
 
     python dev/lookup_replay.py [float32|bfloat16]
 
-Records (once, cached next to this file's output) the greedy texts of Gemma 3 270M on
+Records (once, cached in ~/.cache/speculative/dev/) the greedy texts of Gemma 3 270M on
 benchmarks/grounded_editing.jsonl, times our transformers-module forward by width at the
 prompts' context, then replays every text on that cost table, with no model:
 
@@ -167,7 +167,10 @@ def lookup_rule(cut):
 def main(dtype: str) -> None:
     torch.set_num_threads(2)
     hf = hf_module(dtype)
-    records = record(hf, Path(__file__).parent / f"lookup_replay_{dtype}.json")
+    from speculative.models.presets import cache_root
+
+    (cache_root() / "dev").mkdir(parents=True, exist_ok=True)
+    records = record(hf, cache_root() / "dev" / f"lookup_replay_{dtype}.json")
     prompts = [r["prompt"] for r in records]
     texts = [r["prompt"] + r["out"] for r in records]
     table = cost_table(hf, prompts[0])

@@ -11,12 +11,15 @@ dataclass of names and numbers, so it pickles (Ray actors rebuild their engines 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields, replace
 
 from ..core.config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TREE_TOKENS, MAX_TREE_TOP_K,
                      SpeculativeConfig)
 from .cli_checks import integer, number
+
+log = logging.getLogger("speculative")
 
 LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and lookup plus the engine's suffix cache
 # Default K of drafts without a model: a match proposes up to K and the adaptive policy
@@ -257,6 +260,9 @@ class EngineArgs:
         from ..train import vocab
 
         size = vocab.auto_size(draft) if self.draft_vocab is None else self.draft_vocab
+        if size and self.draft_vocab is None:
+            log.info("--draft-vocab auto: the draft model scores the %d most frequent of its %d tokens", size,
+                     draft.vocab_size)
         return vocab.corpus_vocab(tokenizer, size, self.draft_vocab_corpus) if size else None
 
 

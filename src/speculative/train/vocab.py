@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,8 +28,6 @@ CORPUS_CHARS = 4_000_000
 # 1.5B on a Zen 4, against llama.cpp: chat 1.04-1.08x with it, 0.96-0.99x without.
 LARGE_VOCAB, AUTO_DRAFT_VOCAB = 65_536, 32_768
 
-log = logging.getLogger("speculative")
-
 
 def auto_size(draft) -> int:
     """The reduced vocabulary --draft-vocab auto gives `draft` (0: all tokens): AUTO_DRAFT_VOCAB
@@ -41,8 +38,6 @@ def auto_size(draft) -> int:
 
     if draft is None or isinstance(draft, (DraftHead, Proposer)) or getattr(draft, "vocab_size", 0) <= LARGE_VOCAB:
         return 0
-    log.info("--draft-vocab auto: the draft model scores the %d most frequent of its %d tokens", AUTO_DRAFT_VOCAB,
-             draft.vocab_size)
     return AUTO_DRAFT_VOCAB
 
 
