@@ -301,6 +301,7 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
                                                             ("v", HIDDEN // HEADS * KV_HEADS), ("o", HIDDEN))}
     total = LAYERS * (sum(layer_weights.values()) + 3 * INTERMEDIATE * HIDDEN)
     assert kquant.kquant_share(root / "model.gguf") == pytest.approx(1 - layer_weights["q"] / total)
+    share_of = kquant.kquant_share
     monkeypatch.setattr(presets, "source_gguf", lambda path: root / "model.gguf" if path == root else None)
     monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
     for vnni, share, blocks in ((True, None, True), (False, None, False), (True, 0.4, False)):
@@ -311,6 +312,11 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
         assert isinstance(model.layers[1].mlp.down_proj, KQuantLinear) == blocks, (vnni, share)
         if vnni and not blocks:
             assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # int8, as before
+    monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None: True)
+    monkeypatch.setattr(kquant, "kquant_share", share_of)
+    assert isinstance(load_model(root, dtype="auto").layers[1].mlp.down_proj, KQuantLinear)
+    trainable = load_model(root, dtype="auto", pack=False)  # to save, export or train with: never the blocks
+    assert isinstance(trainable.layers[1].mlp.down_proj, Int8Linear)
 
 
 def test_dtype_gguf_names_what_it_needs(tmp_path):

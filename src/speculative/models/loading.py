@@ -77,13 +77,13 @@ def resolve(name_or_path) -> Path:
 def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = None):
     """A model that serves as target or draft, with its tokenizer attached when one is found.
 
-    `dtype`: "auto" (what this device runs fast; the choice and its reason are logged at
-    INFO level on the "speculative" logger), "int8" (int8 layers, float32 for the rest:
-    `models/int8.py`), "float32", "bfloat16", "float16" or a torch dtype. Llama and Qwen2
+    `dtype`: "auto" (what this device runs fast, logged with why on the "speculative" logger),
+    "gguf", "int8" (`models/int8.py`), "float32", "bfloat16", "float16" or a torch dtype. Llama and Qwen2
     checkpoints run on the built-in decoder (`models/native.py`), other transformers
     models through transformers. `pack`: oneDNN linear layers for float32 and bfloat16 on
-    CPUs, and fused projections in the built-in decoder (None: wherever available); a
-    packed model is for inference only, so pass False to save or export it."""
+    CPUs, and fused projections in the built-in decoder (None: wherever available); a packed
+    model is for inference only (as a GGUF's blocks are, which auto then never picks), so pass
+    False to save, export or train with it."""
     device = check_device(device)
     if dtype != GGUF:  # a bad name, before loading
         resolve_precision(dtype if dtype != "auto" else "float32", device, int8_runs=True)
@@ -94,7 +94,7 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     if dtype == GGUF:
         return _load_kquant(path, config, device)
     weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
-    if weights is not None and (reason := auto_reason(path, device, weights)) is not None:
+    if weights is not None and pack is not False and (reason := auto_reason(path, device, weights)) is not None:
         return _load_kquant(path, config, device, reason)
     int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))
     log.info("%s: %s", name_or_path, reason)
