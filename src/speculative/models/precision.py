@@ -12,7 +12,8 @@ picks it for models of INT8_MIN_WEIGHTS weights or more: on a Zen 4 EPYC (AVX512
 VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16, Gemma
 3 270M 1.5x (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
 VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
-so `auto` does not pick it there.
+so `auto` does not pick it there. Where it would pick int8 for a preset made from a GGUF file
+that is mostly Q4_K/Q6_K, `load_model` runs the file's own blocks instead (`kquant.auto_reason`).
 
 On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
 the BF16 extension on Arm) and its linear layers are prepacked for oneDNN (kernels.py): a
