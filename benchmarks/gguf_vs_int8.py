@@ -1,6 +1,7 @@
 """`--dtype gguf` (the GGUF's own Q4_K/Q6_K blocks, what `auto` picks on CPUs with VNNI) against
-int8 and llama.cpp, Qwen2.5-Coder 1.5B, plain and speculative (lookup + the 0.5B int8 draft;
-the default also has the draft score 32k tokens, `--draft-vocab auto`).
+int8 and llama.cpp, Qwen2.5-Coder 1.5B, plain and speculative (lookup + the 0.5B draft in int8,
+or on its own file's blocks, mostly Q5_0, as `auto` loads it; scoring 32k tokens,
+`--draft-vocab auto`, but in the int8 row).
 
     python benchmarks/gguf_vs_int8.py [PROMPTS_PER_WORKLOAD]   # default 2; needs llama-cpp-python
 
@@ -30,14 +31,13 @@ def main(limit: int) -> None:
     torch.set_num_threads(V.THREADS)
     gguf = str(assemble(QWEN_CODER_15B, cache_root() / "gguf" / f"{QWEN_CODER_15B.name}.gguf"))
     int8, kquant = load_model("qwen2.5-coder-1.5b", dtype="int8"), load_model("qwen2.5-coder-1.5b", dtype="gguf")
-    draft = load_draft("qwen2.5-coder-0.5b", dtype="int8")
-    default = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
+    draft, gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="int8"), load_draft("qwen2.5-coder-0.5b", dtype="gguf")
+    default, vocab = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True), V.default_vocab(kquant.tokenizer)
     methods = {"llama.cpp plain": V.llama_method(gguf, False),
                "ours int8 plain": V.engine_method(int8), "ours gguf plain": V.engine_method(kquant),
                "ours int8 + lookup + draft": V.engine_method(int8, draft, default),
-               "ours gguf + lookup + draft": V.engine_method(kquant, draft, default),
-               "ours default (gguf, 32k vocab)": V.engine_method(kquant, draft, default,
-                                                                 V.default_vocab(kquant.tokenizer))}
+               "ours gguf + lookup + int8 draft, 32k": V.engine_method(kquant, draft, default, vocab),
+               "ours default (gguf, gguf draft, 32k)": V.engine_method(kquant, gguf_draft, default, vocab)}
     eos = set(kquant.tokenizer.eos_token_ids)
     for workload, prompts in qwen_workloads(kquant.tokenizer, limit=limit).items():
         print(f"{workload}: prompts of {[len(p) for p in prompts]} tokens", flush=True)
@@ -55,7 +55,7 @@ def main(limit: int) -> None:
         outputs = {name: [out for out, _, _ in rounds[-1][name]] for name in methods}
         for name in methods:
             if name.startswith("ours") and "plain" not in name:
-                plain = "ours int8 plain" if "int8" in name else "ours gguf plain"
+                plain = "ours int8 plain" if name.startswith("ours int8") else "ours gguf plain"
                 same = sum(a == b for a, b in zip(outputs[name], outputs[plain]))
                 print(f"  {name} identical to {plain}: {same}/{len(prompts)}")
         print("  tokens shared by gguf plain and llama.cpp plain:",

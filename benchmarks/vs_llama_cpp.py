@@ -143,9 +143,10 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
             "ours int8 + lookup + 0.5B draft": engine_method(
                 target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
     kquant = load_model("qwen2.5-coder-1.5b", dtype="gguf")  # the file's own Q4_K / Q6_K blocks
+    gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="gguf")  # its file's Q5_0 / Q8_0 / k-quant blocks
     ours.update({"ours gguf plain": engine_method(kquant),
-                 "ours gguf + lookup + 0.5B draft, 32k vocab (default)": engine_method(
-                     kquant, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True),
+                 "ours gguf + lookup + 0.5B gguf draft, 32k vocab (default)": engine_method(
+                     kquant, gguf_draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True),
                      default_vocab(target.tokenizer))})
     compare(save_per_machine, "llama-cpp", "Against llama.cpp: Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF", gguf,
             "qwen2.5-coder-1.5b", target, ours, workloads(target.tokenizer), runs, log)

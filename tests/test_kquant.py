@@ -23,7 +23,7 @@ from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, draw, exact_joint, 
 
 gguf = pytest.importorskip("gguf")
 
-Q4_K, Q6_K, Q8_0 = 12, 14, 8
+Q4_K, Q6_K, Q5_0, Q8_0, F16 = 12, 14, 6, 8, 1
 ISAS = ["auto", "avx2", "plain"]
 
 
@@ -41,6 +41,16 @@ def random_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
         raw[:, 192:208] = rng.integers(-40, 40, (blocks, 16)).astype(np.int8).view(np.uint8)
         raw[:, 208:210] = rng.uniform(1e-4, 1e-3, blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
+
+
+def gguf_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
+    """Rows of Q5_0 or Q8_0 blocks (32 columns each) as gguf's quantizer writes them."""
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, columns)).astype(np.float32)
+    return gguf.quants.quantize(weights, gguf.GGMLQuantizationType(kind))
+
+
+def blocks_of(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
+    return random_blocks(rows, columns, kind, seed) if kind in (Q4_K, Q6_K) else gguf_blocks(rows, columns, kind, seed)
 
 
 def dequantize(raw: np.ndarray, kind: int, columns: int) -> torch.Tensor:
@@ -70,9 +80,28 @@ def unpack(packed: torch.Tensor, bits: int, rows: int):
     return quants[:rows].long(), scales.long(), mins.long(), d, dmin
 
 
+def unpack32(packed: torch.Tensor, bits: int, rows: int):
+    """(unsigned quants, d) per row from q32_matmul.cpp's layout, each (rows, ...) in column order."""
+    groups, blocks, _ = packed.shape
+    if bits == 8:  # 8 chunks of 4 columns
+        quants = packed[:, :, :512].reshape(groups, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        at = 512
+    else:  # 4 chunks of 8 columns (low nibbles the first 4), then each row's 4 bytes of fifth bits
+        nibbles = packed[:, :, :256].reshape(groups, blocks, 4, 16, 4)
+        low = torch.stack([nibbles & 15, nibbles >> 4], 4)  # (.., chunk, row, half, 4 columns)
+        fifth = packed[:, :, 256:320].reshape(groups, blocks, 1, 16, 1, 4)
+        shifts = (2 * torch.arange(4).view(1, 1, 4, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2, 1)).to(torch.uint8)
+        quants = (low | (((fifth >> shifts) & 1) << 4)).permute(0, 3, 1, 2, 4, 5)
+        at = 320
+    d = packed[:, :, at:at + 32].contiguous().view(torch.float16).reshape(groups, blocks, 16).permute(0, 2, 1)
+    return quants.reshape(groups * 16, -1)[:rows].long(), d.reshape(groups * 16, blocks)[:rows].float()
+
+
 def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """The kernel's product computed here: activations to int8 per 256 columns, exact integer
-    sums per sub-block, then the kernel's float operations in its order."""
+    """The kernel's product computed here: activations to int8 per 256 columns (32 for Q5_0
+    and Q8_0), exact integer sums per sub-block, then the kernel's float operations in its order."""
+    if bits in (5, 8):
+        return reference32(x, packed, bits, rows)
     quants, scales, mins, d, dmin = unpack(packed, bits, rows)
     width, columns = x.shape
     blocks, sub = columns // 256, 32 if bits == 4 else 16
@@ -90,6 +119,32 @@ def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> to
     return out
 
 
+def reference32(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    quants, d = unpack32(packed, bits, rows)
+    width, columns = x.shape
+    blocks = columns // 32
+    chunks = x.reshape(width, blocks, 32)
+    peak = chunks.abs().amax(-1, keepdim=True)
+    inverse = torch.full_like(peak, 127.0) / peak
+    xq = torch.round(chunks * inverse).clamp(-127, 127).long()
+    dots = torch.einsum("mbs,nbs->mnb", xq, quants.reshape(rows, blocks, 32))
+    isum = dots - (16 if bits == 5 else 128) * xq.sum(-1)[:, None]
+    scale = (peak[:, None, :, 0] / 127) * d[None]  # (width, rows, blocks): xs * d
+    out = torch.zeros(width, rows)
+    for block in range(blocks):
+        out = out + scale[:, :, block] * isum[:, :, block].float()
+    return out
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q8_0])
+def test_packed_32_column_blocks_hold_what_gguf_decodes(ops, kind):
+    raw = gguf_blocks(40, 896, kind, seed=kind)
+    packed = ops.q32_pack(torch.from_numpy(raw), kind, 896)
+    quants, d = unpack32(packed, 5 if kind == Q5_0 else 8, 40)
+    weights = d.repeat_interleave(32, 1) * (quants - (16 if kind == Q5_0 else 128)).float()
+    assert torch.equal(weights, dequantize(raw, kind, 896))
+
+
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
 def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
     raw = random_blocks(40, 512, kind, seed=kind)
@@ -103,12 +158,12 @@ def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kinds, rows", [([Q4_K], 48), ([Q6_K], 40), ([Q4_K, Q6_K], 37)])
-def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, isa, kinds, rows):
+@pytest.mark.parametrize("kinds, rows, columns", [([Q4_K], 48, 768), ([Q6_K], 40, 768), ([Q4_K, Q6_K], 37, 768),
+                                                   ([Q5_0], 48, 896), ([Q8_0], 40, 896), ([Q5_0, Q8_0], 37, 896)])
+def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, isa, kinds, rows, columns):
     if isa == "avx2" and ops.int8_isa() == "plain":
         pytest.skip("this CPU has no AVX2")
-    columns = 768
-    parts = [(random_blocks(rows, columns, kind, seed=rows + kind), kind) for kind in kinds]
+    parts = [(blocks_of(rows, columns, kind, seed=rows + kind), kind) for kind in kinds]
     layer = KQuantLinear(parts, columns, torch.randn(rows * len(kinds)))
     layer.isa = isa
     x = torch.randn(17, columns) * torch.rand(17, 1) * 10
@@ -121,13 +176,14 @@ def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, isa, kinds, r
     expected = torch.cat([reference(x, packed, bits, n) for packed, bits, n in layer.runs], 1) + layer.bias
     assert torch.equal(alone, expected)  # the kernel computes what its comment says, to the bit
     weights = torch.cat([dequantize(raw, kind, columns) for raw, kind in parts])
-    plain = torch.randn(17, columns)  # without the outlier: int8 activations per 256 columns lose little
+    plain = torch.randn(17, columns)  # without the outlier: int8 activations per 256 (or 32) columns lose little
     exact = plain @ weights.T + layer.bias
     assert (layer(plain) - exact).norm() / exact.norm() < 0.02
 
 
-def test_every_instruction_set_gives_the_same_bits(ops):
-    parts = [(random_blocks(64, 1024, Q4_K, 1), Q4_K), (random_blocks(32, 1024, Q6_K, 2), Q6_K)]
+@pytest.mark.parametrize("kinds", [(Q4_K, Q6_K), (Q5_0, Q8_0)])
+def test_every_instruction_set_gives_the_same_bits(ops, kinds):
+    parts = [(blocks_of(64, 1024, kinds[0], 1), kinds[0]), (blocks_of(32, 1024, kinds[1], 2), kinds[1])]
     layer = KQuantLinear(parts, 1024)
     x = torch.randn(9, 1024)
     outputs = []
@@ -137,11 +193,12 @@ def test_every_instruction_set_gives_the_same_bits(ops):
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
-def test_activations_quantize_alike_on_every_instruction_set_at_the_edges(ops):
+@pytest.mark.parametrize("kind, block", [(Q4_K, 256), (Q5_0, 32)])
+def test_activations_quantize_alike_on_every_instruction_set_at_the_edges(ops, kind, block):
     """Ties round to even, a NaN element neither raises the peak nor spreads (it becomes -127),
     an infinite element makes its row NaN, zeros stay zeros: the vector quantizers (csrc/quantize.h)
     keep the scalar semantics, compared here bit for bit with the plain C++ path and the reference."""
-    parts = [(random_blocks(32, 512, Q4_K, 3), Q4_K)]
+    parts = [(blocks_of(32, 512, kind, 3), kind)]
     layer = KQuantLinear(parts, 512)
     x = torch.randn(5, 512)
     x[0, :256] = torch.arange(256) % 9 - 4.5  # peak 127 below: every element a tie at scale 1
@@ -159,7 +216,8 @@ def test_activations_quantize_alike_on_every_instruction_set_at_the_edges(ops):
     assert plain[2].isnan().all() and not plain[[0, 1, 3, 4]].isnan().any()
     assert torch.equal(plain[[0, 3, 4]], reference(x[[0, 3, 4]], *layer.runs[0]))
     as_peak = x[[1]].nan_to_num(0.0)
-    as_peak[0, 300] = -as_peak[0, 256:].abs().max()  # what the NaN counts as: -127 at its block's peak
+    start = 300 // block * block
+    as_peak[0, 300] = -as_peak[0, start:start + block].abs().max()  # what the NaN counts as: -127 at its block's peak
     assert torch.equal(plain[1], layer(as_peak)[0])
 
 
@@ -174,15 +232,26 @@ def test_bad_packing_input_is_refused_with_what_is_allowed(ops):
     layer = KQuantLinear([(raw.numpy(), Q4_K)], 256)
     with pytest.raises(RuntimeError, match="columns"):
         layer(torch.randn(2, 512))
+    raw = torch.from_numpy(gguf_blocks(4, 96, Q5_0, 3))
+    with pytest.raises(RuntimeError, match="not Q5_0"):
+        ops.q32_pack(raw, Q4_K, 96)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q32_pack(raw, Q5_0, 100)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        ops.q32_pack(raw, Q8_0, 96)
+    with pytest.raises(RuntimeError, match="columns"):
+        KQuantLinear([(raw.numpy(), Q5_0)], 96)(torch.randn(2, 128))
 
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 256, 4, 2, 512, 2
 
 
-def write_model(root, vocab: int, seed: int, int8_layer: bool = False):
+def write_model(root, vocab: int, seed: int, int8_layer: bool = False, q32: bool = False):
     """A Qwen2 checkpoint and the GGUF file it is "made from": random k-quant blocks (Q4_K_M's
     mix: some value and down projections and the output layer in Q6_K), the checkpoint holding
-    their dequantized floats. `int8_layer`: layer 0's query in Q8_0, which the kernel does not run."""
+    their dequantized floats. `int8_layer`: layer 0's query in float16, which no kernel runs.
+    `q32`: what Q4_K_M makes of rows that are no multiple of 256 columns (Qwen2.5-Coder 0.5B's):
+    Q5_0 for Q4_K, Q8_0 for Q6_K, but the down projections."""
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -199,18 +268,21 @@ def write_model(root, vocab: int, seed: int, int8_layer: bool = False):
     tensors = {"model.embed_tokens.weight": torch.randn(vocab, HIDDEN), "model.norm.weight": 1 + torch.rand(HIDDEN)}
 
     def add(name, ours_name, rows, columns, kind, seed):
-        if kind == Q8_0:  # a type the kernel does not run, as gguf quantizes it
-            raw = gguf.quants.quantize(torch.randn(rows, columns).numpy(), gguf.GGMLQuantizationType.Q8_0)
+        if kind == F16:  # a type no kernel runs
+            raw = (torch.randn(rows, columns) * 0.05).numpy().astype(np.float16)
         else:
-            raw = random_blocks(rows, columns, kind, seed)
+            raw = blocks_of(rows, columns, kind, seed)
         floats = dequantize(raw, kind, columns)
-        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(kind))  # (its shape: bytes per row)
+        # (blocks: their shape is in bytes per row)
+        writer.add_tensor(name, raw, raw_dtype=None if kind == F16 else gguf.GGMLQuantizationType(kind))
         tensors[ours_name] = floats
 
     for layer in range(LAYERS):
         for index, (part, (rows, columns)) in enumerate(shapes.items()):
             six = part in ("attn_v", "ffn_down") and layer % 2 == 0
-            kind = Q8_0 if int8_layer and (layer, part) == (0, "attn_q") else Q6_K if six else Q4_K
+            kind = F16 if int8_layer and (layer, part) == (0, "attn_q") else Q6_K if six else Q4_K
+            if q32 and part != "ffn_down":
+                kind = {Q4_K: Q5_0, Q6_K: Q8_0}.get(kind, kind)
             add(f"blk.{layer}.{part}.weight", f"model.layers.{layer}.{ours[part]}.weight", rows, columns, kind,
                 seed * 100 + layer * 10 + index)
         for part in ("q_proj", "k_proj", "v_proj"):
@@ -218,7 +290,7 @@ def write_model(root, vocab: int, seed: int, int8_layer: bool = False):
             tensors[f"model.layers.{layer}.self_attn.{part}.bias"] = torch.randn(rows) * 0.1
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{layer}.{norm}.weight"] = 1 + torch.rand(HIDDEN) * 0.1
-    add("output.weight", "lm_head.weight", vocab, HIDDEN, Q6_K, seed * 100 + 99)
+    add("output.weight", "lm_head.weight", vocab, HIDDEN, Q8_0 if q32 else Q6_K, seed * 100 + 99)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -276,6 +348,32 @@ def test_layers_of_other_types_run_in_int8(tmp_path, ops):
     assert widths_agree(model)
 
 
+def test_a_draft_on_32_column_blocks_is_width_invariant_and_never_changes_the_output(kquant_model, tmp_path, ops):
+    """A draft stored as Qwen2.5-Coder 0.5B's file is (Q5_0 and Q8_0 but the down projections)
+    runs on its blocks, computes its checkpoint, gives every width the same bits, gives a reduced
+    vocabulary the rows of its output layer as stored, and drafts for a k-quant target whose
+    greedy output stays its own."""
+    root = write_model(tmp_path / "q32", vocab=96, seed=5, q32=True)
+    draft = load(root)
+    kinds = {layer.extra_repr().rpartition(", ")[2] for layer in draft.modules() if isinstance(layer, KQuantLinear)}
+    assert kinds == {"Q5_0", "Q5_0+Q8_0", "Q8_0", "Q4_K", "Q6_K"}
+    reference = load_model(root, dtype="float32")
+    for name, layer in draft.named_modules():
+        if isinstance(layer, KQuantLinear):
+            x = torch.randn(5, layer.in_features)
+            exact = reference.get_submodule(name)(x)
+            assert ((layer(x) - exact).norm() / exact.norm()) < 0.02, name
+    assert widths_agree(draft)
+    ids = torch.tensor([5, 0, 77, 31, 95])
+    hidden = torch.randn(3, HIDDEN)
+    assert torch.equal(draft.output_head(ids)(hidden), draft.lm_head(hidden)[:, ids])
+    for vocab in (None, torch.arange(0, 96, 2)):
+        decoder = SpeculativeDecoder(kquant_model, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4),
+                                     draft_vocab=vocab)
+        for prompt in ([1, 2, 3], list(range(10, 40)) * 2):
+            assert decoder.generate(prompt, 30) == autoregressive_generate(kquant_model, prompt, 30)
+
+
 @pytest.mark.parametrize("draft_kind", ["ngram", "self", "float draft"])
 def test_greedy_speculation_on_a_kquant_target_is_its_own_greedy_decoding(kquant_model, draft_kind,
                                                                            tmp_path_factory):
@@ -307,7 +405,7 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
     for vnni, share, blocks in ((True, None, True), (False, None, False), (True, 0.4, False)):
         monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
         if share is not None:  # a file with less than half its layers' weights in Q4_K or Q6_K
-            monkeypatch.setattr(kquant, "kquant_share", lambda gguf, share=share: share)
+            monkeypatch.setattr(kquant, "kquant_share", lambda gguf, kinds=None, share=share: share)
         model = load_model(root, dtype="auto")
         assert isinstance(model.layers[1].mlp.down_proj, KQuantLinear) == blocks, (vnni, share)
         if vnni and not blocks:
@@ -317,6 +415,24 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
     assert isinstance(load_model(root, dtype="auto").layers[1].mlp.down_proj, KQuantLinear)
     trainable = load_model(root, dtype="auto", pack=False)  # to save, export or train with: never the blocks
     assert isinstance(trainable.layers[1].mlp.down_proj, Int8Linear)
+
+
+def test_auto_runs_a_draft_on_its_32_column_blocks_where_a_target_would_take_int8(tmp_path, ops, monkeypatch):
+    """A file mostly in Q5_0 and Q8_0 (the 0.5B draft's): auto runs it on its blocks as a draft,
+    whose forward is bound by the bytes it reads, on a CPU where it would pick int8; a target
+    needs half of its weights in k-quants."""
+    from speculative.models import loading, precision, presets
+
+    root = write_model(tmp_path, vocab=64, seed=4, q32=True)
+    monkeypatch.setattr(presets, "source_gguf", lambda path: root / "model.gguf" if path == root else None)
+    monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
+    monkeypatch.setattr(loading, "SMALL_MODEL", 0)
+    for vnni in (True, False):
+        monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
+        layer = loading.load_draft(root).layers[1].self_attn.qkv_proj
+        assert isinstance(layer, KQuantLinear if vnni else Int8Linear), vnni
+    monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None: True)
+    assert isinstance(load_model(root, dtype="auto").layers[1].self_attn.qkv_proj, Int8Linear)
 
 
 def test_dtype_gguf_names_what_it_needs(tmp_path):

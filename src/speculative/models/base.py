@@ -132,7 +132,9 @@ class OutputHead(nn.Module):
 def rows_of(head: nn.Module, token_ids: torch.Tensor) -> nn.Module:
     """The output layer `head` over rows `token_ids` only, in the same kind of layer (int8,
     packed or plain)."""
-    if isinstance(head, Int8Linear):
+    from .kquant import KQuantLinear  # (kquant.py builds on the decoder, which imports this module)
+
+    if isinstance(head, (Int8Linear, KQuantLinear)):
         return head.select_rows(token_ids)
     weight = getattr(head, "weight", None)
     if weight is None:

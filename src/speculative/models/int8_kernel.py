@@ -32,7 +32,8 @@ import torch
 log = logging.getLogger("speculative")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "block_ops.cpp"]  # one library; csrc/*.h shared
+# One library; csrc/*.h shared.
+SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "q32_matmul.cpp", CSRC / "block_ops.cpp"]
 CHOICES = ("auto", "compiled", "fbgemm")
 
 

@@ -1,13 +1,15 @@
 """k-quant models (`--dtype gguf`): every linear layer that a GGUF file stores in Q4_K or Q6_K
 blocks runs on those blocks as stored (`csrc/kquant_matmul.cpp`), with each token's
-activations in int8 per 256 columns; the rest as an int8 model's (`int8.py`), attention and
-norms in float32.
+activations in int8 per 256 columns; in Q5_0 or Q8_0 blocks (32 columns: what Q4_K_M keeps
+where rows are no multiple of 256 columns), on those (`csrc/q32_matmul.cpp`), activations in
+int8 per 32 columns; the rest as an int8 model's (`int8.py`), attention and norms in float32.
 
-Why: the weights are then the file's own (what llama.cpp computes with), read at 4.75-6.75 bits
-instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.02 GB a token against 1.54), and the
-kernel gives each token the same bits at any width, so speculative output is exactly this
-model's own one-token decoding. Layers of other types (Q5_0, Q8_0: most of Gemma 3 270M's
-file) are quantized to int8 from the float checkpoint, without smoothing.
+Why: the weights are then the file's own (what llama.cpp computes with), read at 4.5-8.5 bits
+a weight instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.02 GB a token against 1.54; the
+0.5B draft, mostly Q5_0: 16.9 ms a token against 19.8-23.7), and the kernels give each token
+the same bits at any width, so speculative output is exactly this model's own one-token decoding.
+Layers of other types (float16, Q4_0, ...) are quantized to int8 from the float checkpoint,
+without smoothing.
 
 The float checkpoint (made from the same file by `presets.py`) supplies the norms, biases
 and input embeddings (a view of its file: only the rows read become resident); nothing is
@@ -16,6 +18,7 @@ cached beyond the GGUF file itself: packing its blocks takes about a second.
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import warnings
@@ -34,33 +37,40 @@ from .kernels import Int8Linear
 
 log = logging.getLogger("speculative")
 
-# GGML type numbers the kernel runs -> bits per stored quant in its layout.
-KERNEL_TYPES = {12: 4, 14: 6}  # Q4_K, Q6_K
+# GGML type numbers the kernels run -> bits per stored quant in their layouts: the k-quants of
+# 256 columns (csrc/kquant_matmul.cpp) and the blocks of 32 (csrc/q32_matmul.cpp).
+K_QUANTS = {12: 4, 14: 6}  # Q4_K, Q6_K
+KERNEL_TYPES = {**K_QUANTS, 6: 5, 8: 8}  # and Q5_0, Q8_0
+TYPE_NAMES = {4: "Q4_K", 6: "Q6_K", 5: "Q5_0", 8: "Q8_0"}  # by bits
 # The GGUF tensors (llama.cpp's names) behind each linear layer of the fused decoder.
 GGUF_NAMES = {"o_proj": ("attn_output",), "down_proj": ("ffn_down",), "q_proj": ("attn_q",), "k_proj": ("attn_k",),
               "v_proj": ("attn_v",), "gate_proj": ("ffn_gate",), "up_proj": ("ffn_up",)}
 
 
 class KQuantLinear(nn.Module):
-    """y ~ x W^T + b with W in k-quant blocks read from a GGUF file; width-invariant, bit for bit.
-    A fused layer whose parts have different types (Q4_K_M keeps some value projections in
-    Q6_K) runs one product per run of parts of one type."""
+    """y ~ x W^T + b with W in the blocks of a GGUF file (Q4_K, Q6_K, Q5_0, Q8_0); width-invariant,
+    bit for bit. A fused layer whose parts have different types (Q4_K_M keeps some value
+    projections in Q6_K) runs one product per run of parts of one type."""
 
-    def __init__(self, parts: list[tuple[np.ndarray, int]], in_features: int, bias: torch.Tensor | None = None):
-        """`parts`: (rows of raw blocks (N_i, row bytes) uint8, GGML type), in output order."""
+    def __init__(self, parts: list[tuple[np.ndarray, int]], in_features: int, bias: torch.Tensor | None = None,
+                 source=None):
+        """`parts`: (rows of raw blocks (N_i, row bytes) uint8, GGML type), in output order.
+        `source()` gives them again, for `select_rows` (kept, views of a file would keep its
+        pages resident: 1 GB for Qwen2.5-Coder 1.5B); None: select_rows takes `parts`' rows."""
         super().__init__()
         ops = compiled_ops(required=True)
         self.in_features = in_features
         self.out_features = sum(len(raw) for raw, _ in parts)
         self.isa = "auto"  # the instruction set: auto (the best here), vnni, avx2, plain
+        self.source = source if source is not None else lambda: parts
         self.runs = []  # (packed blocks, bits, rows)
         for kind in _runs(parts):
             raw = np.concatenate([raw for raw, _ in kind]) if len(kind) > 1 else kind[0][0]
             with warnings.catch_warnings():  # a read-only view of the file: packing only reads it
                 warnings.simplefilter("ignore")
                 blocks = torch.from_numpy(np.ascontiguousarray(raw))
-            packed = ops.kquant_pack(blocks, kind[0][1], in_features)
-            self.runs.append((packed, KERNEL_TYPES[kind[0][1]], len(raw)))
+            pack = ops.kquant_pack if kind[0][1] in K_QUANTS else ops.q32_pack
+            self.runs.append((pack(blocks, kind[0][1], in_features), KERNEL_TYPES[kind[0][1]], len(raw)))
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +78,23 @@ class KQuantLinear(nn.Module):
         outputs, start = [], 0
         for packed, bits, rows in self.runs:
             bias = None if self.bias is None else self.bias[start:start + rows]
-            outputs.append(torch.ops.speculative_kernels.kquant_linear(x, packed, bits, bias, rows, self.isa))
+            product = torch.ops.speculative_kernels.kquant_linear if bits in K_QUANTS.values() else \
+                torch.ops.speculative_kernels.q32_linear
+            outputs.append(product(x, packed, bits, bias, rows, self.isa))
             start += rows
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
 
+    def select_rows(self, token_ids: torch.Tensor) -> "KQuantLinear":
+        """The layer over output rows `token_ids` only (a reduced draft vocabulary), as stored."""
+        parts = self.source()
+        if len(parts) != 1:
+            raise ValueError("select_rows takes the rows of a layer of one GGUF tensor (an output layer)")
+        raw, kind = parts[0]
+        ids = token_ids.cpu().numpy()
+        return KQuantLinear([(raw[ids], kind)], self.in_features, None if self.bias is None else self.bias[ids])
+
     def extra_repr(self) -> str:
-        kinds = "+".join("Q4_K" if bits == 4 else "Q6_K" for _, bits, _ in self.runs)
+        kinds = "+".join(TYPE_NAMES[bits] for _, bits, _ in self.runs)
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
@@ -98,13 +119,14 @@ class GGUFTensor:
 
 # Bytes of the values that a GGUF key-value entry may hold, by type number (8: string, 9: array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_BLOCK = {12: (256, 144), 14: (256, 210)}  # Q4_K, Q6_K: (columns, bytes) per block
+# Q4_K, Q6_K, Q5_0, Q8_0: (columns, bytes) per block.
+_BLOCK = {12: (256, 144), 14: (256, 210), 6: (32, 22), 8: (32, 34)}
 
 
 def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
-    """The tensors of a GGUF file (version 2 or 3), each k-quant one a view of the file. Only
-    the tensor index is parsed: gguf's GGUFReader also decodes every metadata entry (the
-    tokenizer's 150k strings: 9 s for Qwen2.5-Coder 1.5B)."""
+    """The tensors of a GGUF file (version 2 or 3); those of a type the kernels run hold a view
+    of the file. Only the tensor index is parsed: gguf's GGUFReader also decodes every metadata
+    entry (the tokenizer's 150k strings: 9 s for Qwen2.5-Coder 1.5B)."""
     file = np.memmap(path, dtype=np.uint8, mode="r")
     header = _Header(memoryview(file))
     if bytes(header.buffer[:4]) != b"GGUF" or header.take("I") not in (2, 3):
@@ -175,39 +197,43 @@ def gguf_tensor_names(name: str, tensors) -> list[str]:
     return [f"blk.{layer}.{GGUF_NAMES[part][0]}.weight" for part in parts]
 
 
-def kquant_share(gguf: Path) -> float:
-    """Of the weights in a GGUF file's layer matrices (blk.*), the share stored in blocks the
-    kernel runs (Q4_K, Q6_K): nearly all of Qwen2.5-Coder's Q4_K_M files, little of Gemma 3
-    270M's (Q5_0 and Q8_0 mostly)."""
+def kquant_share(gguf: Path, kinds=K_QUANTS) -> float:
+    """Of the weights in a GGUF file's layer matrices (blk.*), the share stored in blocks of
+    `kinds` (GGML type numbers; default the k-quants Q4_K and Q6_K): nearly all of
+    Qwen2.5-Coder 1.5B's Q4_K_M file, a fifth of the 0.5B's (mostly Q5_0: its rows of 896
+    columns are no multiple of 256), little of Gemma 3 270M's (Q5_0 and Q8_0 mostly)."""
     total = kernel = 0
     for tensor in read_gguf_tensors(gguf).values():
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
             total += tensor.shape[0] * tensor.shape[1]
-            kernel += tensor.shape[0] * tensor.shape[1] if tensor.data is not None else 0
+            kernel += tensor.shape[0] * tensor.shape[1] if tensor.tensor_type in kinds else 0
     return kernel / total if total else 0.0
 
 
-def auto_reason(path: Path, device, weights: int) -> str | None:
-    """Why `auto` runs a model directory of `weights` matrix weights on the k-quant blocks of
-    the GGUF file it was made from, or None where it does not: only where `auto` would pick
-    int8 (a CPU with VNNI and no AMX, INT8_MIN_WEIGHTS or more) and the file keeps at least
-    half of its layers' weights in Q4_K or Q6_K. There the file's own blocks decode faster
-    than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the int8
-    model is quantized again from their float copy."""
+def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | None:
+    """Why `auto` runs a model directory of `weights` matrix weights on the blocks of the GGUF
+    file it was made from, or None where it does not: only on a CPU with VNNI and no AMX (where
+    `auto` picks int8). A target (INT8_MIN_WEIGHTS or more; a draft's size is load_draft's)
+    needs half of its layers' weights in Q4_K or Q6_K: there the file's own blocks decode
+    faster than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the
+    int8 model is quantized again from their float copy. A `draft` needs half in any type the
+    kernels run (Q5_0 and Q8_0 too): its forward is bound by the bytes it reads, and Q5_0
+    reads 5.5 bits a weight where int8 reads 8 (the 0.5B draft, full vocabulary: 16.9 ms a
+    token against 19.8-23.7)."""
     from . import presets, precision
 
     if (torch.device(device).type != "cpu" or not precision.cpu_has_int8() or not path.is_dir()
-            or weights < precision.INT8_MIN_WEIGHTS):
+            or not draft and weights < precision.INT8_MIN_WEIGHTS):
         return None
     gguf = presets.source_gguf(path)
-    if gguf is None or kquant_share(gguf) < 0.5 or compiled_ops() is None:
+    if gguf is None or kquant_share(gguf, KERNEL_TYPES if draft else K_QUANTS) < 0.5 or compiled_ops() is None:
         return None
-    return (f"auto: gguf, the k-quant blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively "
-            "(VNNI, no AMX): a forward reads about two thirds of int8's bytes, and every width gets the same bits")
+    return (f"auto: gguf, the blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively (VNNI, no "
+            "AMX): a forward reads about two thirds of int8's bytes, and every width gets the same bits")
 
 
 def load_preset(path: Path, config: dict, device, reason: str | None = None) -> DecoderOnlyLM:
-    """A preset's checkpoint directory (config.json `config`) on the k-quant blocks of the GGUF
+    """A preset's checkpoint directory (config.json `config`) on the blocks of the GGUF
     file it was made from; a clear error for anything else. `reason`: why (None: asked for)."""
     from . import presets
     from .native import checkpoint_reader, native_config
@@ -220,28 +246,28 @@ def load_preset(path: Path, config: dict, device, reason: str | None = None) -> 
                          "(use int8, auto, float32 or bfloat16)")
     if torch.device(device).type != "cpu":
         raise ValueError(f"dtype gguf runs on CPUs, not on {device}")
-    log.info("%s: %s", path, reason or f"gguf, as asked (the k-quant blocks of {gguf}, int8 activations per 256 "
+    log.info("%s: %s", path, reason or f"gguf, as asked (the blocks of {gguf}, int8 activations per 256 or 32 "
              "columns, float32 else)")
     return load_kquant(path, native, gguf, checkpoint_reader(path, native))
 
 
 def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> DecoderOnlyLM:
-    """The model of checkpoint `path` (made from the GGUF file `gguf`) with k-quant layers
+    """The model of checkpoint `path` (made from the GGUF file `gguf`) with layers on its blocks
     where the file has them, int8 where not; `read_float(name)` reads the checkpoint."""
     tensors = read_gguf_tensors(gguf)
     with torch.device("meta"):
         model = model_class(cfg)(cfg).fuse()
-    counts = {"k-quant": 0, "int8": 0}
+    counts = {"blocks": 0, "int8": 0}
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         bias = read_float(f"{name}.bias") if module.bias is not None else None
         sources = [tensors.get(source) for source in gguf_tensor_names(name, tensors)]
-        if all(source is not None and source.data is not None for source in sources):  # Q4_K or Q6_K, whole blocks
+        if all(source is not None and source.data is not None for source in sources):  # types the kernels run
             _check_shapes(name, module, sources, gguf)
-            layer = KQuantLinear([(source.data, source.tensor_type) for source in sources], module.in_features,
-                                 bias)
-            counts["k-quant"] += 1
+            layer = KQuantLinear([(source.data, source.tensor_type) for source in sources], module.in_features, bias,
+                                 source=functools.partial(_parts, gguf, [source.name for source in sources]))
+            counts["blocks"] += 1
         else:
             layer = Int8Linear(SimpleNamespace(weight=read_float(f"{name}.weight"), bias=bias))
             counts["int8"] += 1
@@ -253,11 +279,16 @@ def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> D
         if parameter.is_meta:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, nn.Parameter(read_float(name).float(), requires_grad=False))
-    log.info("%s: %d linear layers on the GGUF's k-quant blocks, %d in int8", path, counts["k-quant"],
-             counts["int8"])
+    log.info("%s: %d linear layers on the GGUF's blocks, %d in int8", path, counts["blocks"], counts["int8"])
     model.use_compiled_blocks(compiled_ops(required=True))
     release_freed_memory()
     return model.eval()
+
+
+def _parts(gguf: Path, names: list[str]) -> list[tuple[np.ndarray, int]]:
+    """The raw blocks of tensors `names` of a GGUF file, read again (views of the file)."""
+    tensors = read_gguf_tensors(gguf)
+    return [(tensors[name].data, tensors[name].tensor_type) for name in names]
 
 
 def _check_shapes(name: str, module: nn.Linear, sources, gguf: Path) -> None:

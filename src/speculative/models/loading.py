@@ -176,15 +176,17 @@ def _check_weight_count(path: Path, config: dict) -> None:
                          f"the safetensors files of {path} hold {held:,}: the config and the weights do not match")
 
 
-def weight_elements(path: Path) -> int:
-    """Elements of all tensors in a directory's safetensors files, read from their headers."""
+def weight_elements(path: Path, matrices: bool = False) -> int:
+    """Elements of the tensors (`matrices`: the 2-D ones) in a directory's safetensors files,
+    read from their headers."""
     from safetensors import safe_open
 
     total = 0
     for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file)  # a corrupt file is named, not left to a reader's error
         with safe_open(str(file), "pt") as weights:
-            for name in weights.keys():
-                total += math.prod(weights.get_slice(name).get_shape())
+            shapes = [weights.get_slice(name).get_shape() for name in weights.keys()]
+        total += sum(math.prod(shape) for shape in shapes if len(shape) == 2 or not matrices)
     return total
 
 
@@ -218,10 +220,13 @@ def _prepare(module: torch.nn.Module, name, pack: bool | None, int8: bool) -> No
 def load_draft(name_or_path, device="cpu", dtype="auto"):
     """A draft model. `auto`: int8 on CPUs that run it, for drafts of at least SMALL_MODEL
     matrix weights and for draft heads, whatever their size (a head's weights are read
-    anew after every target forward, which evicts them from the caches); else as
-    load_model's auto. A draft's precision changes its proposals, never the output."""
+    anew after every target forward, which evicts them from the caches), or a GGUF preset's
+    own blocks where `kquant.auto_reason` takes them; else as load_model's auto. A draft's
+    precision changes its proposals, never the output."""
     path = resolve(name_or_path)
     if dtype == "auto" and int8_available(device) and (is_head(path) or matrix_weights(path) >= SMALL_MODEL):
+        if (reason := auto_reason(path, device, 0, draft=True)) is not None:  # (a head is made from no GGUF)
+            return _load_kquant(path, _checked_directory(path), device, reason)
         dtype = INT8
     return load_model(name_or_path, device, dtype)
 
@@ -233,20 +238,8 @@ def is_head(path: Path) -> bool:
 
 
 def matrix_weights(path: Path) -> int:
-    """Elements of the 2-D tensors in a model's safetensors files, read from their headers
-    (a GGUF file counts as large)."""
-    from safetensors import safe_open
-
-    if path.is_file():
-        return SMALL_MODEL
-    total = 0
-    for file in sorted(path.glob("*.safetensors")):
-        check_safetensors(file)  # a corrupt file is named, not left to a reader's error
-        with safe_open(str(file), "pt") as weights:
-            for name in weights.keys():
-                shape = weights.get_slice(name).get_shape()
-                total += shape[0] * shape[1] if len(shape) == 2 else 0
-    return total
+    """Elements of the 2-D tensors in a model's safetensors files (a GGUF file counts as large)."""
+    return SMALL_MODEL if path.is_file() else weight_elements(path, matrices=True)
 
 
 def load_tokenizer(name_or_path) -> TextTokenizer:

@@ -1,0 +1,365 @@
+// Width-invariant products with weights kept in GGUF's 32-column blocks (Q5_0, Q8_0: what a
+// Q4_K_M file keeps where rows are not a multiple of 256 columns, as in Qwen2.5-Coder 0.5B, and
+// most of Gemma 3 270M's file), y = x W^T (+ b), read as the file stores them: 5.5 and 8.5 bits
+// a weight, where int8 reads 8 and a float scale per row.
+//
+// A block of 32 columns holds a half-precision scale d and unsigned quants u: w = d * (u - o),
+// o = 16 for Q5_0 (5 bits) and 128 for Q8_0 (its signed quants stored as u = q + 128). Each row
+// of x is quantized to int8 per 32 columns (a float scale xs each, absolute maximum at 127:
+// llama.cpp's Q8_0), so a block's share of a dot product is xs * d * (dot(u, x) - o * sum(x)),
+// the integers exact. Every output element is computed by one thread in one fixed order of
+// float operations whatever the number of rows in the call, so a row gets the same bits alone
+// or among others, on every instruction set below.
+//
+// Layout (q32_pack): by groups of 16 output rows, block after block, each [quants][d x 16,
+// halves]. Q5_0's quants: 4 chunks of 64 bytes holding, for each of the 16 rows, 4 bytes of 8
+// columns (low nibbles the first 4, high nibbles the next 4, as kquant_matmul.cpp's), then 64
+// bytes of fifth bits (row r's byte i: from bit 0, those of columns i, 4 + i, 8 + i, 12 + i, ...
+// of the 4 chunks, two per chunk). Q8_0's: 8 chunks of 64 bytes, each 4 columns of the 16 rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "isa.h"
+#include "quantize.h"
+
+namespace {
+
+using speculative::Isa;
+
+constexpr int kGroup = 16;  // output rows per packed group
+constexpr int kBlock = 32;  // columns per block
+constexpr int kTokens = 8;  // input rows per pass over a group's weights (VNNI)
+constexpr int64_t kPrefetch = 4096;
+constexpr int64_t kQ5_0 = 6, kQ8_0 = 8;  // GGML's type numbers
+
+template <int BITS>  // 5 (Q5_0) or 8 (Q8_0)
+struct Layout {
+  static constexpr int kChunks = BITS == 5 ? 4 : 8;  // 64-byte chunks of quants
+  static constexpr int kQuantBytes = kChunks * 64 + (BITS == 5 ? 64 : 0);
+  static constexpr int kBytes = kQuantBytes + 2 * kGroup;
+  static constexpr int32_t kOffset = BITS == 5 ? 16 : 128;
+};
+
+int64_t block_bytes(int64_t bits) { return bits == 5 ? Layout<5>::kBytes : Layout<8>::kBytes; }
+
+// Each row of x (M, K) to int8 per block (scale absmax / 127) with each block's integer sum.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* xs, int32_t* xsum, Isa isa) {
+  const int64_t blocks = K / kBlock;
+  at::parallel_for(0, M, speculative::quantize_grain(K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* in = x + m * K + b * kBlock;
+        int8_t* out = q + m * K + b * kBlock;
+        const float peak = speculative::abs_max(in, kBlock, isa);
+        float& scale = xs[m * blocks + b];
+        if (!(peak > 0.f) || !std::isfinite(peak)) {  // zeros give 0; inf or nan give nan
+          std::fill(out, out + kBlock, int8_t(0));
+          scale = peak == 0.f ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        } else {
+          speculative::to_int8(in, kBlock, 127.f / peak, out, isa);
+          scale = peak / 127.f;
+        }
+        int32_t sum = 0;
+        for (int k = 0; k < kBlock; ++k) sum += out[k];
+        xsum[m * blocks + b] = sum;
+      }
+  });
+}
+
+int32_t four_bytes(const int8_t* at) {
+  int32_t v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+float half_at(const uint8_t* at) {
+  c10::Half h;
+  std::memcpy(&h, at, 2);
+  return static_cast<float>(h);
+}
+
+// out[t][r] = sum over blocks b of (xs[t][b] * d[r][b]) * (dot_b - o * xsum[t][b]), T input rows
+// against one group of 16 weight rows.
+template <int BITS, int T>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+  using L = Layout<BITS>;
+  constexpr int kChains = T == 1 ? 4 : T == 2 ? 2 : 1;  // independent sums where rows are few
+  const int64_t blocks = K / kBlock;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* at = w + b * L::kBytes;
+    for (int line = 0; line < L::kBytes; line += 64) {  // every line, as kquant_matmul.cpp measured
+      _mm_prefetch(reinterpret_cast<const char*>(at + line + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(at + line + 4 * kPrefetch), _MM_HINT_T1);
+    }
+    __m512i dot[T][kChains];
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < kChains; ++h) dot[t][h] = _mm512_setzero_si512();
+    const int8_t* column = q + b * kBlock;
+    if constexpr (BITS == 8) {
+      for (int c = 0; c < L::kChunks; ++c) {
+        const __m512i wv = _mm512_loadu_si512(at + c * 64);
+        for (int t = 0; t < T; ++t) {
+          __m512i& a = dot[t][c % kChains];
+          a = _mm512_dpbusd_epi32(a, wv, _mm512_set1_epi32(four_bytes(column + t * K + c * 4)));
+        }
+      }
+    } else {
+      __m512i bits = _mm512_loadu_si512(at + L::kChunks * 64);  // chunk c's fifth bits at bits 2c, 2c + 1
+      for (int c = 0; c < L::kChunks; ++c, bits = _mm512_srli_epi16(bits, 2)) {
+        const __m512i wv = _mm512_loadu_si512(at + c * 64);  // 16-bit shifts: the mask drops what spills
+        const __m512i low = _mm512_or_si512(_mm512_and_si512(wv, nibble),
+                                            _mm512_and_si512(_mm512_slli_epi16(bits, 4), fifth));
+        const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble),
+                                             _mm512_and_si512(_mm512_slli_epi16(bits, 3), fifth));
+        for (int t = 0; t < T; ++t) {
+          __m512i& a = dot[t][(2 * c) % kChains];
+          a = _mm512_dpbusd_epi32(a, low, _mm512_set1_epi32(four_bytes(column + t * K + c * 8)));
+          __m512i& z = dot[t][(2 * c + 1) % kChains];
+          z = _mm512_dpbusd_epi32(z, high, _mm512_set1_epi32(four_bytes(column + t * K + c * 8 + 4)));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + L::kQuantBytes)));
+    for (int t = 0; t < T; ++t) {
+      __m512i sum = dot[t][0];
+      for (int h = 1; h < kChains; ++h) sum = _mm512_add_epi32(sum, dot[t][h]);
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(L::kOffset * xsum[t * blocks + b]));
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xs[t * blocks + b]), d);
+      acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(sum)));
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kGroup, acc[t]);
+}
+
+// The same with AVX2: 8 lanes, so each chunk is two halves (rows 0-7, rows 8-15). Q5_0's
+// products (at most 31 * 127, two and two) fit maddubs' 16 bits; Q8_0's signed quants multiply
+// as |q| times x with q's sign (at most 128 * 127, two and two), which is dot - 128 * sum(x).
+template <int BITS, int T>
+__attribute__((target("avx2,f16c")))
+void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+  using L = Layout<BITS>;
+  const int64_t blocks = K / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* at = w + b * L::kBytes;
+    const int8_t* column = q + b * kBlock;
+    for (int h = 0; h < 2; ++h) {
+      __m256i dot[T];
+      for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
+      if constexpr (BITS == 8) {
+        for (int c = 0; c < L::kChunks; ++c) {
+          const __m256i s = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32)), flip);  // q
+          const __m256i size = _mm256_abs_epi8(s);
+          for (int t = 0; t < T; ++t) {
+            const __m256i x = _mm256_set1_epi32(four_bytes(column + t * K + c * 4));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(x, s)),
+                                                                ones));
+          }
+        }
+      } else {
+        __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + L::kChunks * 64 + h * 32));
+        for (int c = 0; c < L::kChunks; ++c, bits = _mm256_srli_epi16(bits, 2)) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32));
+          const __m256i low = _mm256_or_si256(_mm256_and_si256(wv, nibble),
+                                              _mm256_and_si256(_mm256_slli_epi16(bits, 4), fifth));
+          const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble),
+                                               _mm256_and_si256(_mm256_slli_epi16(bits, 3), fifth));
+          for (int t = 0; t < T; ++t) {
+            const __m256i a = _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(column + t * K + c * 8)));
+            const __m256i e = _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(column + t * K + c * 8 + 4)));
+            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_add_epi16(a, e), ones));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + L::kQuantBytes + h * 16)));
+      for (int t = 0; t < T; ++t) {
+        const __m256i sum = BITS == 8 ? dot[t] : _mm256_sub_epi32(dot[t], _mm256_set1_epi32(L::kOffset * xsum[t * blocks + b]));
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[t * blocks + b]), d);
+        acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sum)));
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + t * kGroup + h * 8, acc[t][h]);
+}
+
+// Unsigned quant of column k of row r in a packed block.
+template <int BITS>
+int32_t quant_at(const uint8_t* at, int r, int k) {
+  if constexpr (BITS == 8) return at[(k / 4) * 64 + r * 4 + k % 4];
+  const int c = k / 8, i = k % 8;
+  const uint8_t byte = at[c * 64 + r * 4 + i % 4];
+  const int32_t low = i < 4 ? byte & 0x0F : byte >> 4;
+  const int32_t bit = (at[Layout<5>::kChunks * 64 + r * 4 + i % 4] >> (2 * c + (i < 4 ? 0 : 1))) & 1;
+  return low | (bit << 4);
+}
+
+template <int BITS, int T>
+void tile_plain(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+  using L = Layout<BITS>;
+  const int64_t blocks = K / kBlock;
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < kGroup; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* at = w + b * L::kBytes;
+        int32_t dot = 0;
+        for (int k = 0; k < kBlock; ++k) dot += quant_at<BITS>(at, r, k) * int32_t(q[t * K + b * kBlock + k]);
+        const int32_t sum = dot - L::kOffset * xsum[t * blocks + b];
+        const float scale = xs[t * blocks + b] * half_at(at + L::kQuantBytes + 2 * r);
+        acc = acc + scale * static_cast<float>(sum);
+      }
+      out[t * kGroup + r] = acc;
+    }
+}
+
+using TileFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, const uint8_t*, float*);
+
+#define TILES(NAME, BITS) \
+  {NAME<BITS, 1>, NAME<BITS, 2>, NAME<BITS, 3>, NAME<BITS, 4>, \
+   NAME<BITS, 5>, NAME<BITS, 6>, NAME<BITS, 7>, NAME<BITS, 8>}
+
+TileFn tile_for(Isa isa, int bits, int tokens) {
+  static const TileFn vnni[2][kTokens] = {TILES(tile_vnni, 5), TILES(tile_vnni, 8)};
+  static const TileFn avx2[2][kTokens] = {TILES(tile_avx2, 5), TILES(tile_avx2, 8)};
+  static const TileFn plain[2][kTokens] = {TILES(tile_plain, 5), TILES(tile_plain, 8)};
+  const int kind = bits == 5 ? 0 : 1;
+  return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[kind][tokens - 1];
+}
+
+// One GGUF block of one row -> its 32 unsigned quants and d (as a half's bytes).
+void decode(const uint8_t* raw, int64_t type, uint8_t* quants, uint8_t* d) {
+  std::memcpy(d, raw, 2);
+  if (type == kQ5_0) {  // d, 4 bytes of fifth bits (column j's at bit j), 16 bytes of nibbles (j, j + 16)
+    uint32_t fifth;
+    std::memcpy(&fifth, raw + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      quants[j] = (raw[6 + j] & 0x0F) | (((fifth >> j) & 1) << 4);
+      quants[j + 16] = (raw[6 + j] >> 4) | (((fifth >> (j + 16)) & 1) << 4);
+    }
+  } else {  // Q8_0: d, 32 signed quants
+    for (int j = 0; j < 32; ++j) quants[j] = static_cast<uint8_t>(raw[2 + j] ^ 0x80);
+  }
+}
+
+template <int BITS>
+void pack_group(const uint8_t* raw, int64_t rows, int64_t row_bytes, int64_t blocks, int64_t type, uint8_t* out) {
+  using L = Layout<BITS>;
+  const int64_t raw_block = type == kQ5_0 ? 22 : 34;
+  uint8_t quants[kBlock];
+  for (int64_t b = 0; b < blocks; ++b, out += L::kBytes) {
+    std::memset(out, 0, L::kBytes);  // rows past the matrix: zeros
+    for (int r = 0; r < rows; ++r) {
+      decode(raw + r * row_bytes + b * raw_block, type, quants, out + L::kQuantBytes + 2 * r);
+      if constexpr (BITS == 8) {
+        for (int k = 0; k < kBlock; ++k) out[(k / 4) * 64 + r * 4 + k % 4] = quants[k];
+      } else {
+        for (int c = 0; c < L::kChunks; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const int k = c * 8 + i;
+            out[c * 64 + r * 4 + i] = (quants[k] & 0x0F) | ((quants[k + 4] & 0x0F) << 4);
+            out[L::kChunks * 64 + r * 4 + i] |= ((quants[k] >> 4) << (2 * c)) | ((quants[k + 4] >> 4) << (2 * c + 1));
+          }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// raw (N, row bytes) uint8: a GGUF tensor's rows of Q5_0 (type 6) or Q8_0 (8) blocks ->
+// (N_pad / 16, K / 32, block bytes) uint8 in this kernel's layout (zero rows to N_pad).
+at::Tensor q32_pack(const at::Tensor& raw, int64_t type, int64_t K) {
+  TORCH_CHECK(type == kQ5_0 || type == kQ8_0, "q32_pack: GGML type ", type, " is not Q5_0 (6) or Q8_0 (8)");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(),
+              "q32_pack: raw blocks must be a contiguous (N, row bytes) uint8 tensor");
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "q32_pack: ", K, " columns is not a multiple of ", kBlock);
+  const int64_t blocks = K / kBlock, N = raw.size(0), row_bytes = raw.size(1);
+  TORCH_CHECK(row_bytes == blocks * (type == kQ5_0 ? 22 : 34), "q32_pack: ", row_bytes,
+              " bytes per row do not hold ", K, " columns of this type");
+  const int bits = type == kQ5_0 ? 5 : 8;
+  const int64_t groups = (N + kGroup - 1) / kGroup, bytes = block_bytes(bits);
+  at::Tensor packed = at::empty({groups, blocks, bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = std::min<int64_t>(kGroup, N - g * kGroup);
+      const uint8_t* in = src + g * kGroup * row_bytes;
+      uint8_t* out = dst + g * blocks * bytes;
+      if (bits == 5) pack_group<5>(in, rows, row_bytes, blocks, type, out);
+      else pack_group<8>(in, rows, row_bytes, blocks, type, out);
+    }
+  });
+  return packed;
+}
+
+// x (..., K) float32; packed from q32_pack; bits 5 (Q5_0) or 8 (Q8_0); bias (N,) or none.
+at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, const c10::optional<at::Tensor>& bias,
+                      int64_t N, const std::string& isa_name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+              packed.is_contiguous(), "q32_linear: float32 x and packed uint8 weights from q32_pack");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "q32_linear runs on CPUs");
+  TORCH_CHECK(bits == 5 || bits == 8, "q32_linear: bits must be 5 (Q5_0) or 8 (Q8_0), not ", bits);
+  const int64_t K = x.size(-1), blocks = packed.size(1), Np = packed.size(0) * kGroup;
+  TORCH_CHECK(packed.size(2) == block_bytes(bits) && K == blocks * kBlock && N <= Np && Np - N < kGroup,
+              "q32_linear: x has ", K, " columns and N = ", N, "; the packed weights do not match");
+  const Isa isa = speculative::isa_named(isa_name, "q32_linear");
+  const at::Tensor flat = x.reshape({-1, K}).contiguous();
+  const int64_t M = flat.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> xs(M * blocks);
+  std::vector<int32_t> xsum(M * blocks);
+  quantize_rows(flat.data_ptr<float>(), M, K, q.data(), xs.data(), xsum.data(), isa);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  TORCH_CHECK(!b || bias->numel() == N, "q32_linear: bias must have N = ", N, " elements");
+  float* out = y.data_ptr<float>();
+  const int64_t group_bytes = blocks * block_bytes(bits);
+  const int64_t pass = isa == Isa::avx2 ? 2 : kTokens;
+  at::parallel_for(0, Np / kGroup, 8, [&](int64_t begin, int64_t end) {
+    float sums[kTokens * kGroup];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kGroup;
+      for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
+        tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks,
+                                    w + g * group_bytes, sums);
+        for (int t = 0; t < tokens; ++t) {
+          float* row = out + (m0 + t) * N;
+          for (int64_t r = 0; r < kGroup && n0 + r < N; ++r)
+            row[n0 + r] = b ? sums[t * kGroup + r] + b[n0 + r] : sums[t * kGroup + r];
+        }
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
+  m.def("q32_pack(Tensor raw, int type, int k) -> Tensor", &q32_pack);
+  m.def("q32_linear(Tensor x, Tensor packed, int bits, Tensor? bias, int n, str isa) -> Tensor", &q32_linear);
+}
