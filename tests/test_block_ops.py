@@ -1,5 +1,5 @@
-"""The compiled block operations (csrc/block_ops.cpp): RMSNorm and cached attention in one call
-each, for the int8 and k-quant models. Each is checked against PyTorch's operations (close:
+"""The compiled block operations (csrc/block_ops.cpp): RMSNorm, cached attention and SwiGLU's
+gate in one call each, for the int8 and k-quant models. Each is checked against PyTorch's operations (close:
 the order of float operations differs) and for what exactness needs, to the bit: a token's
 result alone equals its result among others (rows, widths, a shorter span of key blocks),
 every instruction set gives the same bits, and the cache is written as the Python path
@@ -77,6 +77,25 @@ def test_attention_gives_each_query_its_bits_alone_on_every_instruction_set(ops,
             assert torch.equal(alone[0, 0], results[0][b, t]), (b, t)
 
 
+def test_silu_mul_is_pytorchs_to_its_rounding_and_the_same_bits_on_every_instruction_set(ops):
+    x = torch.randn(7, 2 * 1000, generator=torch.Generator().manual_seed(1)) * 6
+    x[0, :4] = torch.tensor([float("nan"), 0.0, 100.0, -100.0])  # NaN stays NaN; exp's argument is clamped
+    results = [ops.block_silu_mul(x, isa) for isa in isas(ops)]
+    assert all(torch.equal(results[0].nan_to_num(7.0), out.nan_to_num(7.0)) for out in results[1:])
+    assert all(torch.equal(ops.block_silu_mul(x[i:i + 1], "auto").nan_to_num(7.0), results[-1][i:i + 1].nan_to_num(7.0))
+               for i in range(7))
+    gate, up = x.double().chunk(2, -1)
+    exact = F.silu(gate) * up
+    assert results[0][0, 0].isnan() and not results[0][:, 1:].isnan().any()
+    error = (results[-1][1:].double() - exact[1:]).abs() / exact[1:].abs().clamp_min(1e-30)
+    assert error.max() < 5e-7  # as close as PyTorch's own float32 silu: a few units in the last place
+    assert results[-1][0, 1] == 0 and results[-1][0, 2] == 100 * x[0, 1002]  # silu(0), silu(100) = 0, 100
+    assert results[-1][0, 3].abs() < 1e-33  # silu(-100) * up: -4e-42 * up, here -6e-37 * up (the clamp)
+    assert ops.block_silu_mul(x.view(7, 1, -1), "auto").shape == (7, 1, 1000)
+    with pytest.raises(RuntimeError, match="last dimension .* is even"):
+        ops.block_silu_mul(torch.randn(2, 5), "auto")
+
+
 def test_a_query_that_sees_nothing_gets_zeros_and_bad_inputs_get_clear_errors(ops):
     qkv, cos, sin, keys, values, slots, mask = inputs()
     mask[0, 2] = False
@@ -95,6 +114,7 @@ def test_int8_decoders_run_the_compiled_blocks_and_stay_close_to_pytorchs(tmp_pa
     save_model(tiny("decoder_only", seed=5, num_kv_heads=2), tmp_path / "m")
     compiled = load_model(tmp_path / "m", dtype="int8")
     assert compiled.layers[0].self_attn.compiled is ops and compiled.norm.compiled is ops
+    assert compiled.layers[0].mlp.compiled is ops
     plain = load_model(tmp_path / "m", dtype="int8")
     for module in plain.modules():
         if hasattr(module, "compiled"):

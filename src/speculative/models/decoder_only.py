@@ -20,8 +20,7 @@ from .decoder_config import DecoderOnlyConfig
 
 
 class RMSNorm(nn.Module):
-    # The compiled block operations (`use_compiled_blocks`), or None: PyTorch's.
-    compiled = None
+    compiled = None  # the compiled block operations (`use_compiled_blocks`), or None: PyTorch's
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -57,8 +56,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 class Attention(nn.Module):
-    # The compiled block operations (`use_compiled_blocks`), or None: PyTorch's.
-    compiled = None
+    compiled = None  # the compiled block operations (`use_compiled_blocks`), or None: PyTorch's
 
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
@@ -134,13 +132,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     # The gate's activation (SwiGLU's; a subclass may change it: Gemma 3's GeGLU).
     activation = staticmethod(F.silu)
+    compiled = None  # the compiled block operations for SwiGLU (`use_compiled_blocks`), or None
 
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
         self.gate_up_proj: nn.Module | None = None  # gate and up in one product (`fuse`)
 
     def fuse(self) -> None:
@@ -151,6 +149,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is None:
             return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        if self.compiled is not None:  # silu(gate) * up in one pass over the product
+            return self.down_proj(self.compiled.block_silu_mul(self.gate_up_proj(x), "auto"))
         gate, up = self.gate_up_proj(x).chunk(2, -1)
         return self.down_proj(self.activation(gate) * up)
 
@@ -384,14 +384,14 @@ class DecoderOnlyLM(nn.Module):
         return self
 
     def use_compiled_blocks(self, ops) -> bool:
-        """Norms and attention through the compiled block operations `ops` (csrc/block_ops.cpp):
-        one call each instead of dozens, width-invariant by construction. For a fused float32
-        model on a CPU (the int8 and k-quant models); False where they do not apply."""
+        """Norms, attention and SwiGLU through the compiled block operations `ops`
+        (csrc/block_ops.cpp): one call each instead of dozens, width-invariant by construction.
+        For a fused float32 model on a CPU (the int8 and k-quant models); False elsewhere."""
         if ops is None or self.device.type != "cpu" or self.dtype != torch.float32 \
                 or any(layer.self_attn.qkv_proj is None for layer in self.layers):
             return False
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention)) or isinstance(module, MLP) and module.activation is F.silu:
                 module.compiled = ops
         return True
 

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -230,6 +231,38 @@ NORM_ROWS(norm_rows_avx512, __attribute__((target("avx512f"))))
 NORM_ROWS(norm_rows_avx2, __attribute__((target("avx2"))))
 NORM_ROWS(norm_rows_plain, )
 
+// exp(x) as Cephes' expf computes it (x = n ln 2 + r, a polynomial of degree 6 in r, 2^n from the
+// exponent bits), within 2 ulp; in plain float operations, which the compiler vectorizes without
+// changing a bit. Arguments are clamped to [-87, 88] (NaN to -87): the results stay normal.
+inline float exp_poly(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // x log2(e) rounded (|.| < 2^22)
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.f;
+  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// SwiGLU's gate: y[i] = silu(g[i]) * u[i], silu(g) = g / (1 + exp(-g)), over rows of 2n (g then u).
+#define SILU_MUL_ROWS(NAME, TARGET)                                                                   \
+  TARGET void NAME(const float* x, int64_t n, float* y, int64_t begin, int64_t end) {                 \
+    for (int64_t r = begin; r < end; ++r) {                                                           \
+      const float* g = x + r * 2 * n;                                                                 \
+      const float* u = g + n;                                                                         \
+      float* out = y + r * n;                                                                         \
+      for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];                 \
+    }                                                                                                 \
+  }
+
+SILU_MUL_ROWS(silu_mul_rows_avx512, __attribute__((target("avx512f"))))
+SILU_MUL_ROWS(silu_mul_rows_avx2, __attribute__((target("avx2"))))
+SILU_MUL_ROWS(silu_mul_rows_plain, )
+
 // avx512 where the CPU has it (the kernels' "vnni" level implies AVX512F).
 bool use_avx512(Isa isa) { return isa == Isa::vnni; }
 
@@ -253,6 +286,26 @@ at::Tensor block_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
     if (use_avx512(isa)) norm_rows_avx512(in, wp, e, n, out, begin, end);
     else if (isa == Isa::avx2) norm_rows_avx2(in, wp, e, n, out, begin, end);
     else norm_rows_plain(in, wp, e, n, out, begin, end);
+  });
+  return y;
+}
+
+// x (..., 2n) float32, a fused gate and up projection's output -> silu(gate) * up (..., n).
+at::Tensor block_silu_mul(const at::Tensor& x, const std::string& isa_name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "block_silu_mul: a float32 tensor on a CPU whose last dimension (gate, then up) is even");
+  const Isa isa = speculative::isa_named(isa_name, "block_silu_mul");
+  const at::Tensor flat = x.contiguous();
+  const int64_t n = x.size(-1) / 2, rows = n == 0 ? 0 : flat.numel() / (2 * n);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  const float* in = flat.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    if (use_avx512(isa)) silu_mul_rows_avx512(in, n, out, begin, end);
+    else if (isa == Isa::avx2) silu_mul_rows_avx2(in, n, out, begin, end);
+    else silu_mul_rows_plain(in, n, out, begin, end);
   });
   return y;
 }
@@ -334,6 +387,7 @@ at::Tensor block_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 
 TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
   m.def("block_rms_norm(Tensor x, Tensor weight, float eps, str isa) -> Tensor", &block_rms_norm);
+  m.def("block_silu_mul(Tensor x, str isa) -> Tensor", &block_silu_mul);
   m.def("block_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache_k, Tensor(b!) cache_v, "
         "Tensor targets, Tensor mask, int heads, int kv_heads, float scale, str isa) -> Tensor",
         &block_attention);
