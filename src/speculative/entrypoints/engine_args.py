@@ -368,7 +368,7 @@ def add_precision(group) -> None:
                        "weights, each token's activations in int8, float32 else; a model of its own, whose output "
                        "speculation reproduces exactly (its forward gives each token the same bits at any width), "
                        "with about half of bfloat16's bytes to read per token. gguf: a GGUF preset (qwen2.5-coder-"
-                       "1.5b, ...) on its file's own Q4_K/Q6_K blocks, int8 activations per 256 columns, exact "
+                       "1.5b, ...) on its file's own Q4_K/Q6_K/Q5_0/Q8_0 blocks, int8 activations per block, exact "
                        "and width-invariant too (docs/precision.md). auto = on CPUs with VNNI and no AMX (Zen 4): gguf "
                        "for a preset whose file is mostly Q4_K/Q6_K (qwen2.5-coder-*), int8 for other models of "
                        "100M weights or more; else bfloat16 on CPUs that multiply "
@@ -377,7 +377,8 @@ def add_precision(group) -> None:
     group.add_argument("--draft-dtype", default="auto", choices=CHOICES, help="execution dtype of a draft model; "
                        "int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only its "
                        "proposals, never the output. auto = int8 on CPUs that run it, for draft heads and for "
-                       "drafts of 4M weights or more, else as --dtype (default: %(default)s)")
+                       "drafts of 4M weights or more (on CPUs with VNNI and no AMX, a GGUF preset's own blocks "
+                       "instead: qwen2.5-coder-0.5b), else as --dtype (default: %(default)s)")
     group.add_argument("--draft-vocab", type=int, default=None, help="the draft model scores only the N most "
                        "frequent tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much "
                        "of a small draft's cost; output unchanged). 0 = all tokens. Default: auto, 32768 for a "

@@ -1,7 +1,7 @@
-"""The compiled kernels (`csrc/`): the int8 product (int8_matmul.cpp), the k-quant product
-(kquant_matmul.cpp) and a quantized decoder's norms and attention (block_ops.cpp), built once
-with the system's C++ compiler into one library, cached, and loaded into PyTorch as
-`torch.ops.speculative_kernels`.
+"""The compiled kernels (`csrc/`): the int8 product (int8_matmul.cpp), the GGUF blocks' products
+(kquant_matmul.cpp, q32_matmul.cpp) and a quantized decoder's norms, attention and SwiGLU's
+gate (block_ops.cpp), built once with the system's C++ compiler into one library, cached, and
+loaded into PyTorch as `torch.ops.speculative_kernels`.
 
 Why a kernel of our own: fbgemm's dynamic int8 linear needs its weights repacked by a slow
 single-threaded routine at every start (150-250 MB/s: 5-7 s for Qwen2.5-Coder 1.5B) and

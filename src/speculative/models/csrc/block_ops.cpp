@@ -1,6 +1,7 @@
 // The float32 work of a decoder block between its quantized products, one call each: RMSNorm,
-// and attention over the position-indexed cache (rotary positions, the cache write, scores,
-// softmax and the mix of values). For the int8 and k-quant models on CPUs (`glue.py`).
+// attention over the position-indexed cache (rotary positions, the cache write, scores,
+// softmax and the mix of values), and SwiGLU's silu(gate) * up. For the int8 and k-quant
+// models on CPUs (`decoder_only.py`, `use_compiled_blocks`).
 //
 // Why: a token of Qwen2.5-Coder 1.5B spends 15-20 ms outside its products when these run as
 // PyTorch operations (about 200 small calls per block, a few microseconds each); one call each
