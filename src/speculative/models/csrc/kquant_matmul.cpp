@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "group_loop.h"
 #include "isa.h"
 #include "quantize.h"
 
@@ -41,9 +42,6 @@ using speculative::Isa;
 constexpr int kGroup = 16;   // output rows per packed group
 constexpr int kBlock = 256;  // columns per super-block
 constexpr int kTokens = 8;   // input rows per pass over a group's weights (VNNI)
-// Groups whose weights every pass of tokens goes over in turn, as their activations are read
-// once for all of them (a prompt's rows read once per group had made it twice as slow at 850 rows).
-constexpr int64_t kGroupsTogether = 8;
 // Prefetches: into L1 4 KB ahead, into L2 16 KB ahead (Zen 4, Qwen 1.5B's Q6_K down projections,
 // 1 row: 8.2 ms against 11.5 with the first alone; 1 KB ahead alone: slower still).
 constexpr int64_t kPrefetch = 4096;
@@ -457,22 +455,9 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = blocks * block_bytes(bits), subs = kBlock / sub;
   const int64_t pass = isa == Isa::avx2 ? 2 : kTokens;
-  at::parallel_for(0, Np / kGroup, kGroupsTogether, [&](int64_t begin, int64_t end) {
-    float sums[kTokens * kGroup];
-    for (int64_t first = begin; first < end; first += kGroupsTogether)  // their weights stay in the caches
-      for (int64_t m0 = 0; m0 < M; m0 += pass) {  // while every pass of tokens goes over them
-        const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
-        for (int64_t g = first; g < std::min(end, first + kGroupsTogether); ++g) {
-          const int64_t n0 = g * kGroup;
-          tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks,
-                                      xsum.data() + m0 * blocks * subs / 2, w + g * group_bytes, sums);
-          for (int t = 0; t < tokens; ++t) {
-            float* row = out + (m0 + t) * N;
-            for (int64_t r = 0; r < kGroup && n0 + r < N; ++r)
-              row[n0 + r] = b ? sums[t * kGroup + r] + b[n0 + r] : sums[t * kGroup + r];
-          }
-        }
-      }
+  speculative::over_groups<kTokens>(M, N, pass, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
+    tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks * subs / 2,
+                                w + g * group_bytes, sums);
   });
   return y;
 }

@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "group_loop.h"
 #include "isa.h"
 #include "quantize.h"
 
@@ -40,7 +41,6 @@ using speculative::Isa;
 constexpr int kGroup = 16;  // output rows per packed group
 constexpr int kBlock = 32;  // columns per block
 constexpr int kTokens = 8;  // input rows per pass over a group's weights (VNNI)
-constexpr int64_t kGroupsTogether = 8;  // groups every pass of tokens goes over in turn (kquant_matmul.cpp)
 constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kQ5_0 = 6, kQ8_0 = 8;  // GGML's type numbers
 
@@ -193,7 +193,8 @@ void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + L::kQuantBytes + h * 16)));
       for (int t = 0; t < T; ++t) {
-        const __m256i sum = BITS == 8 ? dot[t] : _mm256_sub_epi32(dot[t], _mm256_set1_epi32(L::kOffset * xsum[t * blocks + b]));
+        const __m256i sum =
+            BITS == 8 ? dot[t] : _mm256_sub_epi32(dot[t], _mm256_set1_epi32(L::kOffset * xsum[t * blocks + b]));
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[t * blocks + b]), d);
         acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sum)));
       }
@@ -315,7 +316,8 @@ at::Tensor q32_pack(const at::Tensor& raw, int64_t type, int64_t K) {
 }
 
 // x (..., K) float32; packed from q32_pack; bits 5 (Q5_0) or 8 (Q8_0); bias (N,) or none.
-at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, const c10::optional<at::Tensor>& bias,
+at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits,
+                      const c10::optional<at::Tensor>& bias,
                       int64_t N, const std::string& isa_name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
               packed.is_contiguous(), "q32_linear: float32 x and packed uint8 weights from q32_pack");
@@ -341,22 +343,9 @@ at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bit
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = blocks * block_bytes(bits);
   const int64_t pass = isa == Isa::avx2 ? 2 : kTokens;
-  at::parallel_for(0, Np / kGroup, kGroupsTogether, [&](int64_t begin, int64_t end) {
-    float sums[kTokens * kGroup];
-    for (int64_t first = begin; first < end; first += kGroupsTogether)  // their weights stay in the caches
-      for (int64_t m0 = 0; m0 < M; m0 += pass) {  // while every pass of tokens goes over them
-        const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
-        for (int64_t g = first; g < std::min(end, first + kGroupsTogether); ++g) {
-          const int64_t n0 = g * kGroup;
-          tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks,
-                                      w + g * group_bytes, sums);
-          for (int t = 0; t < tokens; ++t) {
-            float* row = out + (m0 + t) * N;
-            for (int64_t r = 0; r < kGroup && n0 + r < N; ++r)
-              row[n0 + r] = b ? sums[t * kGroup + r] + b[n0 + r] : sums[t * kGroup + r];
-          }
-        }
-      }
+  speculative::over_groups<kTokens>(M, N, pass, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
+    tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks,
+                                w + g * group_bytes, sums);
   });
   return y;
 }
