@@ -1,13 +1,15 @@
 """A checkpoint's tokenizer read by `tokenizers` alone (TextTokenizer.from_checkpoint) gives
 what transformers' tokenizer gives: ids, texts, chat prompts, end-of-text ids."""
 
+import json
 import random
 import sysconfig
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
-from speculative.models.text import TextTokenizer
+from speculative.models.text import TextTokenizer, same_vocabulary
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — 你好 🙂", "<s> special </s> in text", "  leading spaces",
          "", (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:3000]]
@@ -36,7 +38,7 @@ def checkpoint_tokenizer(tmp_path):
     """The shipped tokenizer as a transformers checkpoint's: start and end tokens added to
     every text, and a chat template that writes the start token itself."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, processors
+    from tokenizers import processors
 
     backend = Tokenizer.from_file(str(Path(__file__).parents[1] / "src/speculative/assets/default/tokenizer.json"))
     backend.add_special_tokens(["<s>", "</s>"])
@@ -76,3 +78,23 @@ def test_preset_tokenizers_without_transformers_give_what_transformers_gives(pre
     eos = generation_eos(path)
     hf = TextTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True), name="hf", eos_token_ids=eos)
     assert_same(hf, TextTokenizer.from_checkpoint(path, eos))
+
+
+def test_same_vocabulary_compares_every_token_and_sees_added_ones():
+    """Engines compare tokenizers by a digest computed once: equal vocabularies match, one
+    changed id or an added token does not, and adding a token refreshes the digest."""
+    path = Path(__file__).parents[1] / "src/speculative/assets/default/tokenizer.json"
+    a, b = (TextTokenizer(Tokenizer.from_file(str(path)), name) for name in ("a", "b"))
+    assert same_vocabulary(a, b)
+    b.backend.add_tokens(["<added>"])
+    assert not same_vocabulary(a, b)
+    a.backend.add_tokens(["<added>"])
+    assert same_vocabulary(a, b)
+    data = json.loads(path.read_text())
+    vocab = a.backend.get_vocab()
+    first, second = sorted(vocab, key=vocab.get)[300:302]  # two ordinary tokens' ids swapped
+    model = data["model"]["vocab"]
+    model[first], model[second] = model[second], model[first]
+    c = TextTokenizer(Tokenizer.from_str(json.dumps(data)), "c")
+    c.backend.add_tokens(["<added>"])
+    assert len(c) == len(a) and not same_vocabulary(a, c)
