@@ -31,13 +31,18 @@ def test_rms_norm_is_pytorchs_and_each_row_gets_its_bits_alone_on_every_instruct
                for i in range(3) for j in range(5))
 
 
-def inputs(starts=(300, 700), head_size=D, span=S):
+def inputs(starts=(300, 700), head_size=D, span=S, windows=False):
+    """Causal masks over the span; `windows`: each token also blind to slots more than 100 + 37 t
+    behind it (a sliding window's shape, a different first slot per query), with holes (a tree's)."""
     torch.manual_seed(1)
     qkv = torch.randn(B, T, (H + 2 * G) * head_size)
     keys, values = torch.randn(B, G, S, head_size), torch.randn(B, G, S, head_size)
     cos, sin = rope_table(1e4, head_size, 0, 2048, "cpu")
     slots = torch.tensor(starts)[:, None] + torch.arange(T)
     mask = torch.arange(span)[None, None, :] <= slots[:, :, None]
+    if windows:
+        mask &= torch.arange(span)[None, None, :] > slots[:, :, None] - 100 - 37 * torch.arange(T)[None, :, None]
+        mask[:, 1::2, ::7] = False
     return qkv, cos[slots].unsqueeze(1), sin[slots].unsqueeze(1), keys, values, slots, mask
 
 
@@ -55,17 +60,28 @@ def test_attention_writes_the_cache_as_pytorch_does_and_attends_as_cached_attent
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("head_size, span", [(64, 1024), (128, 1000), (256, 1010), (40, 1000)])
-def test_attention_gives_each_query_its_bits_alone_on_every_instruction_set(ops, head_size, span):
+@pytest.mark.parametrize("head_size, span, windows", [(64, 1024, False), (128, 1000, False), (256, 1010, False),
+                                                      (40, 1000, False), (128, 1000, True), (40, 1000, True)])
+def test_attention_gives_each_query_its_bits_alone_on_every_instruction_set(ops, head_size, span, windows):
     """Head sizes with AVX512 paths of their own (64, 128, 256) and one without; spans with
-    and without a last partial block of 16 slots; slots no query sees hold NaN, which must
-    not reach any output."""
-    qkv, cos, sin, keys, values, slots, mask = inputs(head_size=head_size, span=span)
+    and without a last partial block of 16 slots; masks that start at slot 0 and masks that
+    start later with holes (only the slots some query sees are read); slots no query sees hold
+    NaN, which must not reach any output."""
+    qkv, cos, sin, keys, values, slots, mask = inputs(head_size=head_size, span=span, windows=windows)
     keys[:, :, 720:], values[:, :, 720:] = float("nan"), float("nan")  # past every query's position
+    if windows:
+        keys[:, :, :50], values[:, :, :50] = float("nan"), float("nan")  # before every window
+        keys[:, :, 7 * 70], values[:, :, 7 * 70] = float("nan"), float("nan")  # a hole of odd tokens...
+        mask[:, ::2, 7 * 70] = False  # ...and of every token
     results = [ops.block_attention(qkv, cos, sin, keys.clone(), values.clone(), slots, mask, H, G, 0.125, isa)
                for isa in isas(ops)]
     assert not results[0].isnan().any()
     assert all(torch.equal(result, results[0]) for result in results)
+    q = rotate(qkv[..., :H * head_size].view(B, T, H, head_size).transpose(1, 2), cos, sin)
+    written_k, written_v = keys.clone(), values.clone()
+    ops.block_attention(qkv, cos, sin, written_k, written_v, slots, mask, H, G, 0.125, "auto")
+    expected = cached_attention(q, written_k[:, :, :span].nan_to_num(), written_v[:, :, :span].nan_to_num(), mask, 0.125)
+    torch.testing.assert_close(results[0], expected.transpose(1, 2).reshape(B, T, H * head_size))
     cache_k, cache_v = keys.clone(), values.clone()
     ops.block_attention(qkv, cos, sin, cache_k, cache_v, slots, mask, H, G, 0.125, "auto")  # all written
     for b in range(B):
