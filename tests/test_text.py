@@ -80,12 +80,16 @@ def test_preset_tokenizers_without_transformers_give_what_transformers_gives(pre
     assert_same(hf, TextTokenizer.from_checkpoint(path, eos))
 
 
-def test_same_vocabulary_compares_every_token_and_sees_added_ones():
-    """Engines compare tokenizers by a digest computed once: equal vocabularies match, one
-    changed id or an added token does not, and adding a token refreshes the digest."""
+def test_same_vocabulary_compares_every_token_once_per_pair_and_sees_added_ones(monkeypatch):
+    """Every engine checks its pair's tokenizers: equal vocabularies match, one changed id or an
+    added token does not; the answer is kept for the pair (the vocabularies are read once)
+    until a vocabulary grows."""
     path = Path(__file__).parents[1] / "src/speculative/assets/default/tokenizer.json"
     a, b = (TextTokenizer(Tokenizer.from_file(str(path)), name) for name in ("a", "b"))
-    assert same_vocabulary(a, b)
+    reads = []
+    read = TextTokenizer.vocab
+    monkeypatch.setattr(TextTokenizer, "vocab", lambda self: reads.append(self.name) or read(self))
+    assert same_vocabulary(a, b) and same_vocabulary(a, b) and reads == ["a", "b"]
     b.backend.add_tokens(["<added>"])
     assert not same_vocabulary(a, b)
     a.backend.add_tokens(["<added>"])

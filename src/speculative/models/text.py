@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import weakref
 from pathlib import Path
 
 
@@ -25,7 +25,8 @@ class TextTokenizer:
         # A Jinja chat template that replaces the tokenizer's own (None: its own, if any).
         self.chat_template: str | None = None
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ...: what chat templates may write
-        self._fingerprint: tuple[int, str] | None = None  # (vocabulary size, digest), `vocab_fingerprint`
+        # Tokenizers compared with this one: (both vocabulary sizes, same?) (`same_vocabulary`).
+        self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_checkpoint(cls, path: Path, eos_token_ids: list[int] | None = None) -> "TextTokenizer":
@@ -65,15 +66,6 @@ class TextTokenizer:
 
     def vocab(self) -> dict[str, int]:
         return self.backend.get_vocab()
-
-    def vocab_fingerprint(self) -> str:
-        """A digest of the vocabulary, computed once per size (reading a 150k-token vocabulary
-        takes a quarter of a second, which every engine's compatibility check used to pay)."""
-        size = len(self)
-        if self._fingerprint is None or self._fingerprint[0] != size:
-            items = json.dumps(sorted(self.vocab().items()))  # escapes every character: unambiguous
-            self._fingerprint = (size, hashlib.sha256(items.encode()).hexdigest())
-        return self._fingerprint[1]
 
     def has_chat_template(self) -> bool:
         return self.chat_template is not None or (self.is_hf and bool(getattr(self.backend, "chat_template", None)))
@@ -115,5 +107,13 @@ class TextTokenizer:
 
 
 def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:
-    """Two tokenizers are interchangeable when they map the same strings to the same ids."""
-    return a is b or a.vocab_fingerprint() == b.vocab_fingerprint()
+    """Two tokenizers are interchangeable when they map the same strings to the same ids.
+    The answer is kept for the pair until a vocabulary grows: comparing two 150k-token
+    vocabularies takes a quarter of a second, which every engine's check used to pay."""
+    if a is b:
+        return True
+    sizes = (len(a), len(b))
+    known = a._compared.get(b)
+    if known is None or known[0] != sizes:
+        known = a._compared[b] = (sizes, a.vocab() == b.vocab())
+    return known[1]
