@@ -2,6 +2,7 @@
 what transformers' tokenizer gives: ids, texts, chat prompts, end-of-text ids."""
 
 import json
+import pickle
 import random
 import sysconfig
 from pathlib import Path
@@ -90,6 +91,7 @@ def test_same_vocabulary_compares_every_token_once_per_pair_and_sees_added_ones(
     read = TextTokenizer.vocab
     monkeypatch.setattr(TextTokenizer, "vocab", lambda self: reads.append(self.name) or read(self))
     assert same_vocabulary(a, b) and same_vocabulary(a, b) and reads == ["a", "b"]
+    assert pickle.loads(pickle.dumps(a)).vocab() == read(a)  # tokenizers still travel (Ray, processes)
     b.backend.add_tokens(["<added>"])
     assert not same_vocabulary(a, b)
     a.backend.add_tokens(["<added>"])

@@ -25,8 +25,6 @@ class TextTokenizer:
         # A Jinja chat template that replaces the tokenizer's own (None: its own, if any).
         self.chat_template: str | None = None
         self.special_tokens: dict[str, str] = {}  # bos_token, eos_token, ...: what chat templates may write
-        # Tokenizers compared with this one: (both vocabulary sizes, same?) (`same_vocabulary`).
-        self._compared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_checkpoint(cls, path: Path, eos_token_ids: list[int] | None = None) -> "TextTokenizer":
@@ -113,7 +111,13 @@ def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:
     if a is b:
         return True
     sizes = (len(a), len(b))
-    known = a._compared.get(b)
+    pairs = _COMPARED.setdefault(a, weakref.WeakKeyDictionary())
+    known = pairs.get(b)
     if known is None or known[0] != sizes:
-        known = a._compared[b] = (sizes, a.vocab() == b.vocab())
+        known = pairs[b] = (sizes, a.vocab() == b.vocab())
     return known[1]
+
+
+# Tokenizers compared: a -> {b: ((both vocabulary sizes), same?)}, while both live (kept
+# apart from the tokenizers, which stay picklable).
+_COMPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
