@@ -1,5 +1,6 @@
 """A checkpoint's tokenizer read by `tokenizers` alone (TextTokenizer.from_checkpoint) gives
-what transformers' tokenizer gives: ids, texts, chat prompts, end-of-text ids."""
+what transformers' tokenizer gives: ids, texts, chat prompts, end-of-text ids; and when two
+tokenizers count as one (`same_vocabulary`, the engine's check of a pair)."""
 
 import json
 import pickle
