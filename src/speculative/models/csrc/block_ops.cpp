@@ -127,9 +127,8 @@ __attribute__((target("avx512f"))) void attend_queries_avx512(const float* const
     int64_t first, end;
     seen_range(seen[r], span, first, end);
     from = std::min(from, first);
-    to = std::max(to, end);
+    to = std::max(to, end);  // >= from: each query's end is at least its first
   }
-  to = std::max(to, from);
   const int64_t whole = from + (to - from) / 16 * 16;
   for (int64_t first = from; first < whole; first += 16)
     for (int r = 0; r < R; ++r) {
