@@ -20,6 +20,11 @@ The engine uses these operations:
   one depth; a recurrent model only accepts the default. `tree` (B, T, T) bool, where a
   model verifies token trees: which of this forward's tokens each token sees (its
   ancestors and itself, `speculative.core.tree`); every token still sees its row's earlier slots.
+  `argmax_rows` (B bools), passed only to models whose `screens_argmax` is True: rows whose
+  logits are read only for their argmax (greedy rows); the model may set to -inf every logit
+  it proves is not its row's largest (a screened output layer, `argmax_screen.py`). That
+  argmax must be the one the model gives such rows in every call, so that speculative and
+  plain decoding read the same.
 - `compact(state, starts, kept)` (models that verify trees): after a tree forward that
   started row b at slot starts[b], keep only the slots starts[b] + kept[b][j], moved to
   starts[b] + j (the accepted path), and end the row there. A model without it drafts
@@ -45,6 +50,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .argmax_screen import screened_logits
 from .kernels import Int8Linear, PackedLinear
 
 
@@ -63,9 +69,14 @@ class LanguageModel(Protocol):
 
     def select_rows(self, state: Any, rows: list[int]) -> None: ...
 
-    # add_rows(state, new, capacity), compact(state, starts, kept) and forward's return_hidden,
-    # positions and tree: see above
+    # add_rows(state, new, capacity), compact(state, starts, kept), screens_argmax and forward's
+    # return_hidden, positions, tree and argmax_rows: see above
     # (not required here, so that a minimal model still serves generate()).
+
+
+def screens_argmax(model) -> bool:
+    """Whether `model.forward` takes `argmax_rows` (optional in the protocol)."""
+    return bool(getattr(model, "screens_argmax", False))
 
 
 def check_lengths(lengths: list[int], current: list[int], lowest: list[int] | None = None) -> None:
@@ -110,9 +121,16 @@ def prefill(model, prompts: list[list[int]], capacity: int, hidden: list | None 
     return state
 
 
-def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool):
-    """What a forward returns: float32 logits (or None), with the hidden states if asked."""
-    logits = head(hidden).float() if keep_logits else None
+def output(head: nn.Module, hidden: torch.Tensor, keep_logits: bool, return_hidden: bool,
+           argmax_rows: list[bool] | None = None):
+    """What a forward returns: float32 logits (or None), with the hidden states if asked; the
+    rows of `argmax_rows` through the layer's screen where one pays (`screened_logits`)."""
+    if not keep_logits:
+        logits = None
+    elif argmax_rows is not None:
+        logits = screened_logits(head, hidden, argmax_rows)
+    else:
+        logits = head(hidden).float()
     return (logits, hidden) if return_hidden else logits
 
 

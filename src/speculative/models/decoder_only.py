@@ -174,6 +174,7 @@ class DecoderOnlyLM(nn.Module):
     """Causal LM implementing the model protocol of `speculative.models.base`."""
 
     model_type = "decoder_only"
+    screens_argmax = True  # forward takes argmax_rows (models/base.py)
 
     def __init__(self, cfg: DecoderOnlyConfig):
         super().__init__()
@@ -291,7 +292,7 @@ class DecoderOnlyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
                 keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
-                tree: torch.Tensor | None = None):
+                tree: torch.Tensor | None = None, argmax_rows: list[bool] | None = None):
         """Append tokens (B, T) to every row of `state`; returns float32 logits (B, T, V).
 
         Token i of row b goes to cache slot lengths[b] + i and sees the slots before it;
@@ -302,12 +303,11 @@ class DecoderOnlyLM(nn.Module):
         `tree` (B, T, W) bool, W >= T: which of the row's last W slots (this forward's T
         tokens, after the W - T slots fed just before them) each token sees (a token tree's
         ancestor mask, tree.py; a draft model expands its tree over several forwards); every
-        token still sees its row's slots before those.
-        """
+        token still sees its row's slots before those. `argmax_rows`: see `base.output`."""
         if state is None:
             return self.lm_head(self.run_blocks(self.embed(tokens)))
         hidden = self.run_blocks(self.embed(tokens), state, num_valid, positions, tree)
-        return output(self.lm_head, hidden, keep_logits, return_hidden)
+        return output(self.lm_head, hidden, keep_logits, return_hidden, argmax_rows)
 
     def run_blocks(self, x: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
                    positions: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:

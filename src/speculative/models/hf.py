@@ -21,6 +21,7 @@ import inspect
 
 import torch
 
+from .argmax_screen import screened_logits
 from .base import OutputHead
 from .attention import KEY_BLOCK, cached_attention
 
@@ -99,6 +100,7 @@ class HFModel:
     """Wraps a transformers `PreTrainedModel` in the model protocol of `speculative.models.base`."""
 
     model_type = "transformers"
+    screens_argmax = True  # forward takes argmax_rows (models/base.py)
 
     def __init__(self, model, tokenizer=None):
         self.model = model.eval()
@@ -195,12 +197,16 @@ class HFModel:
 
     def forward(self, tokens: torch.Tensor, state: HFState, num_valid: list[int] | None = None,
                 keep_logits: bool = True, return_hidden: bool = False, positions: torch.Tensor | None = None,
-                tree: torch.Tensor | None = None):
+                tree: torch.Tensor | None = None, argmax_rows: list[bool] | None = None):
         """As the protocol says: float32 logits (B, T, V); `positions` (B, T) default to each
         row's next positions; return_hidden=True also returns the final hidden states (B, T, H);
         `tree` (B, T, W): which of the last W slots each new token sees (a token tree's
-        ancestor mask; W > T when the tree began in earlier forwards)."""
+        ancestor mask; W > T when the tree began in earlier forwards); `argmax_rows`: see
+        `argmax_screen.screened_logits`."""
         batch, width = tokens.shape
+        screened = keep_logits and not self._special and argmax_rows is not None and any(argmax_rows)
+        if argmax_rows is not None and len(argmax_rows) != batch:
+            raise ValueError(f"argmax_rows must hold {batch} flags, got {len(argmax_rows)}")
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device
         if positions is None:
@@ -212,9 +218,12 @@ class HFModel:
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self._cache_arg: state.cache})
         hidden = None
-        if return_hidden or self._head is not None and keep_logits:
+        if return_hidden or screened or self._head is not None and keep_logits:
             hidden = self.model.base_model(**inputs).last_hidden_state  # (B, T, H)
-            logits = self._logits(hidden) if keep_logits else None
+            if screened:
+                logits = screened_logits(self.model.get_output_embeddings(), hidden, argmax_rows, self._logits)
+            else:
+                logits = self._logits(hidden) if keep_logits else None
         else:
             out = self.model(**inputs, logits_to_keep=0 if keep_logits else 1)
             logits = out.logits.float() if keep_logits else None

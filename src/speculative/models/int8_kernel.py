@@ -33,7 +33,8 @@ log = logging.getLogger("speculative")
 
 CSRC = Path(__file__).parent / "csrc"
 # One library; csrc/*.h shared.
-SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "q32_matmul.cpp", CSRC / "block_ops.cpp"]
+SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "q32_matmul.cpp", CSRC / "block_ops.cpp",
+           CSRC / "argmax_screen.cpp"]
 CHOICES = ("auto", "compiled", "fbgemm")
 
 

@@ -20,7 +20,7 @@ from ..core.inputs import row_seeds as checked_row_seeds
 from ..core.rows import SamplingParams
 from ..core.sampling import NonFiniteLogits, make_generators, non_finite_rows, probabilities, sample
 from ..core.stats import DecodeStats
-from ..models.base import prefill
+from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.costs import cost_book
 from ..proposers import as_proposer
@@ -144,7 +144,8 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
                 model.select_rows(state, keep)
                 active, last = [active[i] for i in keep], [last[i] for i in keep]
                 generators = [generators[i] for i in keep]
-            logits = model.forward(torch.tensor(last, device=model.device)[:, None], state)[:, -1]  # (B, V)
+            screen = {"argmax_rows": [not config.sampling] * len(active)} if screens_argmax(model) else {}
+            logits = model.forward(torch.tensor(last, device=model.device)[:, None], state, **screen)[:, -1]  # (B, V)
             bad = non_finite_rows(logits)
             if bad:
                 raise NonFiniteLogits("target", [active[i] for i in bad])  # named as prompts

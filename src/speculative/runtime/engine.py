@@ -60,7 +60,7 @@ from ..core.rows import RequestOutput, Row, SamplingParams
 from ..core.sampling import GREEDY, NonFiniteLogits, Sampler
 from ..core.stats import DecodeStats, RequestStats
 from ..core.tree import can_branch
-from ..models.base import prefill
+from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy, FixedPolicy
 from ..policy.costs import cost_book
 from ..proposers import as_proposer
@@ -260,9 +260,15 @@ class Engine:
         self.running += joining
         stats.prefill_seconds += self.clock() - started
 
-    def _target_forward(self, tokens, *args, **kwargs):
+    def argmax_rows(self, rows: list[Row]) -> list[bool] | None:
+        """Which rows read only the argmax of their logits (greedy), for a target that takes it."""
+        return [row.sampler.greedy for row in rows] if screens_argmax(self.target) else None
+
+    def _target_forward(self, tokens, *args, argmax_rows: list[bool] | None, **kwargs):
         """The verify forward: logits, and the final hidden states when a draft head reads
         them (else None)."""
+        if argmax_rows is not None:
+            kwargs["argmax_rows"] = argmax_rows
         if self.reads_features:
             return self.target.forward(tokens, self.state, *args, return_hidden=True, **kwargs)
         return self.target.forward(tokens, self.state, *args, **kwargs), None

@@ -88,7 +88,7 @@ class Phases:
         fresh = not any(row.generated for row in rows)
         with LEARNING:
             policy.prepare(len(rows), lambda: measure(engine.target, engine.state, sequences, engine.proposer, widest,
-                                                      engine.clock), fresh)
+                                                      engine.clock, engine.argmax_rows(rows)), fresh)
         return policy
 
     def max_drafts(self, rows: list[Row]) -> list[int]:
@@ -156,7 +156,8 @@ class ChainPhases(Phases):
         engine, proposal = self.engine, drafts.proposal
         started = engine.clock()
         last = torch.tensor([[row.sequence[-1]] for row in rows], device=engine.target.device)
-        logits, hidden = engine._target_forward(torch.cat([last, proposal.tokens], 1))  # (B, K+1, V)
+        logits, hidden = engine._target_forward(torch.cat([last, proposal.tokens], 1),  # (B, K+1, V)
+                                                argmax_rows=engine.argmax_rows(rows))
         stats.target_forward_seconds += engine.clock() - started
         check_finite(logits, "target", [1 + n for n in proposal.lengths])
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
@@ -229,7 +230,8 @@ class TreePhases(Phases):
         starts = [len(row.sequence) - 1 for row in rows]
         tokens, positions, mask, counts = tree_inputs(trees, [row.sequence[-1] for row in rows], starts,
                                                       engine.target.device)
-        logits, hidden = engine._target_forward(tokens, counts, positions=positions, tree=mask)  # (B, 1+N, V)
+        logits, hidden = engine._target_forward(tokens, counts, positions=positions, tree=mask,  # (B, 1+N, V)
+                                                argmax_rows=engine.argmax_rows(rows))
         check_finite(logits, "target", counts)
         seconds = engine.clock() - started
         stats.target_forward_seconds += seconds

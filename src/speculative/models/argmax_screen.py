@@ -1,0 +1,157 @@
+"""Greedy rows' logits without most of a float32 output layer: an int8 screen, then exact scores.
+
+A greedy row reads only the argmax of its logits. With a 262k-token vocabulary (Gemma 3) the
+float32 output layer is a third or more of a forward; an int8 copy of it is a quarter of the
+bytes and runs on the width-invariant int8 kernel. Its scores A_v are within a bound b_v of
+the exact ones, proven per token and row:
+
+    w.h - A = (w - s q).h + s q.(h - x q_x)   (weights w = s q + e, activations h = x q_x + r)
+    |w.h - A| <= |e|_2 |h|_2 + s |q|_2 |r|_2 + float rounding,
+
+with |e|_2 and s|q|_2 computed once per vocabulary row, and r computed per hidden state as the
+kernel quantizes it. Every token whose exact score could be the largest (A_v + b_v reaches the
+best A_u - b_u) is a candidate, usually a handful; only candidates are scored exactly, in
+float64 (the products are exact, the sum rounds at 1e-16), and rounded to float32. Every
+other logit is -inf: the argmax, ties to the lowest token as `argmax` breaks them, is that of
+the float32-rounded exact logits, the same at every width and in every batch.
+
+Only the argmax may be read from such logits (the engine asks for them on greedy rows only).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+from torch import nn
+
+from .kernels import Int8Linear, PackedLinear, quantize_rows
+
+# Relative float rounding the bound allows for: the kernel's float epilogue (int32 sum to
+# float, two products) and the float32 rounding of an exact score, each a few 2^-24.
+ROUNDING = 2.0 ** -19
+# Output layers from this many weights up are screened (Gemma 3's has 168M, Qwen2.5 0.5B's 136M).
+MIN_WEIGHTS = 1 << 25
+# Rows up to which the screen scores hidden states and residuals in one call (a product of few
+# rows is bound by reading the weights; of many, by multiply-adds, where two calls ran faster).
+STACKED_ROWS = 8
+# Relative error of a float32 norm of a few thousand elements, with room to spare.
+NORM_ROUNDING = 2.0 ** -12
+
+
+class ArgmaxScreen:
+    """An output layer's weight (V, H) in float32, kept as is, plus its int8 screen."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, chunk: int = 8192):
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"ArgmaxScreen takes a float32 (V, H) weight, got {weight.dtype} {tuple(weight.shape)}")
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+        qweight, scale = quantize_rows(self.weight)
+        self.int8 = Int8Linear.from_int8(qweight, scale, self.bias)
+        # Per vocabulary row, rounded up: |e|_2 (what int8 leaves of w; w - s q rounds by at
+        # most 2^-24 |w| an element) and s |q|_2 (what multiplies the activations' residual).
+        self.weight_error = torch.empty(len(weight), dtype=torch.float64)
+        self.weight_norm = torch.empty(len(weight), dtype=torch.float64)
+        for start in range(0, len(weight), chunk):
+            rows = self.weight[start:start + chunk]
+            dequantized = qweight[start:start + chunk].float().mul_(scale[start:start + chunk, None])
+            norm = rows.norm(dim=1).double()
+            error = (rows - dequantized).norm(dim=1).double()
+            self.weight_error[start:start + chunk] = error * (1 + NORM_ROUNDING) + 2.0 ** -22 * norm
+            self.weight_norm[start:start + chunk] = dequantized.norm(dim=1).double() * (1 + NORM_ROUNDING)
+        self.widest_error = float(self.weight_error.max()), float(self.weight_norm.max())
+
+    def logits(self, hidden: torch.Tensor, two_terms: bool | None = None) -> torch.Tensor:
+        """Float32 logits (..., V) of hidden (..., H) in which only the argmax may be read."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        residual = activation_residual(flat)  # (N, H) float64: r = h - x q_x, exactly
+        ops = torch.ops.speculative_kernels
+        if two_terms is None:
+            two_terms = len(flat) <= STACKED_ROWS
+        if two_terms:
+            # The residual screened too, in one call with h (the weights are read once).
+            # r rounds to float32 as d = r - fl(r), |d| <= 2^-24 |r|; fl(r) is quantized as the
+            # kernel quantizes it, leaving r2. With w = s q + e: w.h - screen = e.(h - d) +
+            # s q.r2 + w.d, and |w| <= s |q| + |e|.
+            rounded = residual.float()
+            both = self.int8(torch.cat([flat, rounded]))
+            first, second = both[:len(flat)], both[len(flat):]
+            d = 2.0 ** -24 * residual.norm(dim=-1)
+            norms = [flat.double().norm(dim=-1) + 2 * d, activation_residual(rounded).norm(dim=-1) + d]
+        else:  # w.h - screen = e.h + s q.r
+            first, second = self.int8(flat), None
+            norms = [flat.double().norm(dim=-1), residual.norm(dim=-1)]
+        norms = torch.stack(norms, 1) * (1 + NORM_ROUNDING)
+        rows, tokens = ops.screen_candidates(first.contiguous(), None if second is None else second.contiguous(),
+                                             self.weight_error, self.weight_norm, norms, *self.widest_error, ROUNDING)
+        scores = ops.exact_scores(self.weight, flat, rows, tokens, "auto")
+        if self.bias is not None:
+            scores = (scores.double() + self.bias[tokens].double()).float()
+        out = torch.full((len(flat), len(self.weight)), float("-inf"))
+        out[rows, tokens] = scores
+        return out.reshape(*hidden.shape[:-1], -1)
+
+
+def activation_residual(x: torch.Tensor) -> torch.Tensor:
+    """h - x q_x in float64 for float32 rows x, quantized as the int8 kernel quantizes them
+    (csrc/quantize.h: scale absmax / 127, q = nearbyint(h * (127 / absmax)) within +-127)."""
+    peak = x.abs().amax(-1, keepdim=True)
+    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+    q = torch.round(x * (127.0 / safe)).clamp_(-127, 127)
+    step = torch.where(peak > 0, peak / 127.0, torch.zeros_like(peak))
+    return x.double() - q.double() * step.double()
+
+
+class ScreenedHead:
+    """An output layer whose argmax rows go through an ArgmaxScreen, made at their first use
+    (0.4 s and a quarter of the layer's bytes for Gemma 3's; sampling alone never pays it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+        self._screen: ArgmaxScreen | None = None
+
+    @classmethod
+    def where_it_pays(cls, layer) -> "ScreenedHead | None":
+        """A screened head for a plain linear output layer (h W^T + b) with a large float32
+        weight on a CPU where the compiled kernels run, unless SPECULATIVE_ARGMAX_SCREEN=0;
+        else None."""
+        from .int8_kernel import compiled_ops
+
+        weight = getattr(layer, "weight", None)
+        if (os.environ.get("SPECULATIVE_ARGMAX_SCREEN", "1") == "0" or type(layer) not in (nn.Linear, PackedLinear)
+                or not isinstance(weight, torch.Tensor)
+                or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+                or weight.numel() < MIN_WEIGHTS or compiled_ops() is None):
+            return None
+        return cls(weight, getattr(layer, "bias", None))
+
+    def logits(self, hidden: torch.Tensor, argmax_rows: list[bool], full) -> torch.Tensor:
+        """Float32 logits (B, T, V) of hidden (B, T, H): row b screened where argmax_rows[b],
+        else `full(hidden rows)`."""
+        if self._screen is None:
+            self._screen = ArgmaxScreen(self.weight, self.bias)
+        if all(argmax_rows):
+            return self._screen.logits(hidden)
+        screened = torch.tensor(argmax_rows, device=hidden.device)
+        out = torch.empty(*hidden.shape[:-1], len(self.weight), dtype=torch.float32, device=hidden.device)
+        out[screened] = self._screen.logits(hidden[screened])
+        out[~screened] = full(hidden[~screened]).float()
+        return out
+
+
+# Output layer -> its ScreenedHead, or None where a screen would not pay (decided once per layer).
+_SCREENS: "weakref.WeakKeyDictionary[nn.Module, ScreenedHead | None]" = weakref.WeakKeyDictionary()
+
+
+def screened_logits(layer: nn.Module, hidden: torch.Tensor, argmax_rows: list[bool], full=None) -> torch.Tensor:
+    """Float32 logits (B, T, V) of the output layer `layer` over hidden (B, T, H): the rows of
+    `argmax_rows` through its screen where one pays, the others by `full` (default: the layer)."""
+    full = full or (lambda h: layer(h).float())
+    if layer not in _SCREENS:
+        _SCREENS[layer] = ScreenedHead.where_it_pays(layer)
+    head = _SCREENS[layer]
+    if head is None or not any(argmax_rows):
+        return full(hidden)
+    return head.logits(hidden, list(argmax_rows), full)

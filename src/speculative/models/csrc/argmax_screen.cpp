@@ -1,0 +1,233 @@
+// The compiled parts of models/argmax_screen.py: the candidates of each row's screen, and their
+// exact scores.
+//
+// screen_candidates: for each row n of a screen (N, V) float32, held in one part or two (first +
+// second), the tokens v whose screen score a_v plus their own bound b_v reaches the floor
+// best - b_best (best: the row's largest a, the first at ties), where b_v = p + rounding *
+// (|a_v| + 2 p + 1), p = error[v] * norms[n][0] + norm[v] * norms[n][1] (float64). A row with a
+// NaN anywhere gets none. Tokens are first compared, in float32, with a threshold below every
+// candidate's (from the widest p of any token), then checked in float64.
+//
+// exact_scores: out[p] = float32 rounding
+// of the float64 dot product of hidden[rows[p]] and weight[tokens[p]] (float32 or bfloat16
+// weights, float32 hidden states). Products of float32 values are exact in float64; the sum
+// runs in one fixed order (8 accumulators, then a fixed tree), so a pair gets the same bits
+// whatever else the call scores, in plain C++ on every CPU.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <string>
+#include <vector>
+
+#include "isa.h"
+
+namespace {
+
+using speculative::Isa;
+
+inline double lanes_sum(const double* acc) {
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// Lane j sums the products of columns j, 8 + j, 16 + j, ... then the remainder's, as the
+// vector versions below do (a product, then a sum: no fused multiply-add).
+template <typename W>
+double dot_plain(const W* w, const float* h, int64_t K) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(static_cast<float>(w[k + j])) * h[k + j];
+  for (int j = 0; k < K; ++k, ++j) acc[j] += static_cast<double>(static_cast<float>(w[k])) * h[k];
+  return lanes_sum(acc);
+}
+
+__attribute__((target("avx512f"))) double dot_avx512(const float* w, const float* h, int64_t K) {
+  __m512d acc = _mm512_setzero_pd();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+    acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(w + k)),
+                                           _mm512_cvtps_pd(_mm256_loadu_ps(h + k))));
+  alignas(64) double lanes[8];
+  _mm512_store_pd(lanes, acc);
+  for (int j = 0; k < K; ++k, ++j) lanes[j] += static_cast<double>(w[k]) * h[k];
+  return lanes_sum(lanes);
+}
+
+__attribute__((target("avx2"))) double dot_avx2(const float* w, const float* h, int64_t K) {
+  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    low = _mm256_add_pd(low, _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(w + k)), _mm256_cvtps_pd(_mm_loadu_ps(h + k))));
+    high = _mm256_add_pd(high, _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(w + k + 4)),
+                                             _mm256_cvtps_pd(_mm_loadu_ps(h + k + 4))));
+  }
+  alignas(32) double lanes[8];
+  _mm256_store_pd(lanes, low);
+  _mm256_store_pd(lanes + 4, high);
+  for (int j = 0; k < K; ++k, ++j) lanes[j] += static_cast<double>(w[k]) * h[k];
+  return lanes_sum(lanes);
+}
+
+double dot(const float* w, const float* h, int64_t K, Isa isa) {
+  if (isa == Isa::vnni) return dot_avx512(w, h, K);
+  if (isa == Isa::avx2) return dot_avx2(w, h, K);
+  return dot_plain(w, h, K);
+}
+
+at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, const at::Tensor& rows,
+                        const at::Tensor& tokens, const std::string& isa_name) {
+  const Isa isa = speculative::isa_named(isa_name, "exact_scores");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "exact_scores: weight must be a contiguous (V, K) float32 or bfloat16 matrix");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
+                  hidden.size(1) == weight.size(1),
+              "exact_scores: hidden must be a contiguous (N, K) float32 matrix with the weight's K");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  tokens.sizes() == rows.sizes() && rows.is_contiguous() && tokens.is_contiguous(),
+              "exact_scores: rows and tokens must be contiguous int64 vectors of one length");
+  const int64_t P = rows.numel(), K = weight.size(1), V = weight.size(0), N = hidden.size(0);
+  at::Tensor out = at::empty({P}, hidden.options());
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(r[p] >= 0 && r[p] < N && t[p] >= 0 && t[p] < V, "exact_scores: pair ", p, " is out of range");
+  const float* h = hidden.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, P, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* x = h + r[p] * K;
+      o[p] = static_cast<float>(bf16 ? dot_plain(weight.data_ptr<c10::BFloat16>() + t[p] * K, x, K)
+                                     : dot(weight.data_ptr<float>() + t[p] * K, x, K, isa));
+    }
+  });
+  return out;
+}
+
+// A row's screen score of token v: one part, or the sum of two.
+inline float score(const float* x, const float* y, int64_t v) { return y ? x[v] + y[v] : x[v]; }
+
+// The row's largest score; NaN if any score is NaN.
+float row_max(const float* x, const float* y, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) {
+    const float s = score(x, y, v);
+    if (std::isnan(s)) return s;
+    best = std::max(best, s);
+  }
+  return best;
+}
+
+__attribute__((target("avx512f"))) float row_max_avx512(const float* x, const float* y, int64_t V) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) {
+    __m512 s = _mm512_loadu_ps(x + v);
+    if (y) s = _mm512_add_ps(s, _mm512_loadu_ps(y + v));
+    nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, s);
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  float out = _mm512_reduce_max_ps(best);
+  for (; v < V; ++v) {
+    const float s = score(x, y, v);
+    if (std::isnan(s)) return s;
+    out = std::max(out, s);
+  }
+  return out;
+}
+
+// check(v) for every token whose score is at least `threshold`, in order.
+template <typename Check>
+__attribute__((target("avx512f"))) void above_avx512(const float* x, const float* y, int64_t V, float threshold,
+                                                     Check&& check) {
+  const __m512 limit = _mm512_set1_ps(threshold);
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) {
+    __m512 s = _mm512_loadu_ps(x + v);
+    if (y) s = _mm512_add_ps(s, _mm512_loadu_ps(y + v));
+    for (__mmask16 m = _mm512_cmp_ps_mask(s, limit, _CMP_GE_OQ); m; m &= m - 1) check(v + __builtin_ctz(m));
+  }
+  for (; v < V; ++v)
+    if (score(x, y, v) >= threshold) check(v);
+}
+
+std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& first, const std::optional<at::Tensor>& part,
+                                                     const at::Tensor& error, const at::Tensor& norm,
+                                                     const at::Tensor& norms, double widest_error, double widest_norm,
+                                                     double rounding) {
+  const bool two = part.has_value() && part->defined();
+  const at::Tensor second = two ? *part : first;
+  TORCH_CHECK(first.dim() == 2 && first.sizes() == second.sizes() && first.scalar_type() == at::kFloat &&
+                  second.scalar_type() == at::kFloat && first.is_contiguous() && second.is_contiguous(),
+              "screen_candidates: the screen's parts must be contiguous float32 matrices of one shape");
+  const int64_t N = first.size(0), V = first.size(1);
+  TORCH_CHECK(error.scalar_type() == at::kDouble && norm.scalar_type() == at::kDouble && error.numel() == V &&
+                  norm.numel() == V && error.is_contiguous() && norm.is_contiguous(),
+              "screen_candidates: error and norm must be contiguous float64 vectors of V entries");
+  TORCH_CHECK(norms.scalar_type() == at::kDouble && norms.dim() == 2 && norms.size(0) == N && norms.size(1) == 2 &&
+                  norms.is_contiguous(),
+              "screen_candidates: norms must be a contiguous (N, 2) float64 matrix");
+  const float* a = first.data_ptr<float>();
+  const float* b = second.data_ptr<float>();
+  const double* err = error.data_ptr<double>();
+  const double* nrm = norm.data_ptr<double>();
+  const double* hn = norms.data_ptr<double>();
+  std::vector<std::vector<int64_t>> found(N);
+  const bool wide = speculative::best_isa() == Isa::vnni;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* x = a + n * V;
+      const float* y = two ? b + n * V : nullptr;
+      const float best = wide ? row_max_avx512(x, y, V) : row_max(x, y, V);
+      if (std::isnan(best) || best == -std::numeric_limits<float>::infinity()) continue;  // NaN, or nothing finite
+      int64_t at = 0;
+      while (score(x, y, at) != best) ++at;
+      const double h = hn[2 * n], r = hn[2 * n + 1];
+      auto bound = [&](double p, double value) { return p + rounding * (std::fabs(value) + 2 * p + 1); };
+      const double floor = best - bound(err[at] * h + nrm[at] * r, best);
+      const double spread = widest_error * h + widest_norm * r;
+      // Every candidate lies in [floor - spread - 1, best] (rounding is tiny), so |a_v| <= z.
+      const double z = std::fabs(static_cast<double>(best)) + std::fabs(floor) + 2 * spread + 1;
+      float threshold = static_cast<float>(floor - spread - rounding * (z + 2 * spread + 1));
+      threshold = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
+      auto check = [&](int64_t v) {
+        const float s = score(x, y, v);
+        if (s + bound(err[v] * h + nrm[v] * r, s) >= floor) found[n].push_back(v);
+      };
+      if (wide)
+        above_avx512(x, y, V, threshold, check);
+      else
+        for (int64_t v = 0; v < V; ++v)
+          if (score(x, y, v) >= threshold) check(v);
+    }
+  });
+  int64_t total = 0;
+  for (const auto& f : found) total += static_cast<int64_t>(f.size());
+  at::Tensor rows = at::empty({total}, first.options().dtype(at::kLong));
+  at::Tensor tokens = at::empty({total}, first.options().dtype(at::kLong));
+  int64_t* r = rows.data_ptr<int64_t>();
+  int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t n = 0, p = 0; n < N; ++n)
+    for (const int64_t v : found[n]) r[p] = n, t[p++] = v;
+  return {rows, tokens};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
+  m.def("screen_candidates(Tensor first, Tensor? second, Tensor error, Tensor norm, Tensor norms, float widest_error, "
+        "float widest_norm, float rounding) -> (Tensor, Tensor)", &screen_candidates);
+  m.def("exact_scores(Tensor weight, Tensor hidden, Tensor rows, Tensor tokens, str isa) -> Tensor", &exact_scores);
+}

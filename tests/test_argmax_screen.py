@@ -1,0 +1,187 @@
+"""The screened output layer (models/argmax_screen.py): greedy rows' argmax from an int8 screen
+and exact scores of its candidates. The argmax must be that of the float32-rounded exact
+logits, ties to the lowest token, at every width; the bound it rests on must hold; the
+compiled parts give the same bits on every instruction set; and decoding through it equals
+decoding without it."""
+
+import pytest
+import torch
+
+from speculative import (Engine, NGramProposer, SamplingParams, SpeculativeConfig, SpeculativeDecoder,
+                         autoregressive_generate)
+from speculative.models.argmax_screen import _SCREENS as screens
+from speculative.models.argmax_screen import ROUNDING, ArgmaxScreen, ScreenedHead, activation_residual
+from tests.helpers import tiny
+
+V, H = 6000, 96
+
+
+def exact_argmax(weight, hidden):
+    """The reference: float64 logits rounded to float32, argmax (the lowest token at ties)."""
+    return (hidden.double() @ weight.double().T).float().argmax(-1)
+
+
+def layer_and_states(seed=0, rows=64):
+    """A weight with rows of different scales and a few duplicated rows (exact ties), and hidden
+    states with outlier channels (as final norms make them), some of them near-ties: the
+    top token's row copied with one element nudged by an ulp."""
+    torch.manual_seed(seed)
+    weight = torch.randn(V, H) * torch.rand(V, 1) * 0.2
+    weight[100] = weight[4000]  # the same scores: the argmax must be token 100
+    hidden = torch.randn(rows, H) * (1 + 30 * (torch.rand(H) < 0.05))
+    top = exact_argmax(weight, hidden)
+    for row in range(0, rows, 4):  # a rival token one step from the best
+        rival = (int(top[row]) + 17) % V
+        weight[rival] = weight[top[row]]
+        weight[rival, 0] = torch.nextafter(weight[rival, 0], torch.tensor(float("inf")))
+    hidden[-1] = weight[100] * 3  # token 100 and its copy 4000 lead
+    return weight, hidden
+
+
+def test_the_argmax_is_the_float32_rounded_exact_one_at_every_width(ops):
+    weight, hidden = layer_and_states()
+    screen = ArgmaxScreen(weight)
+    expected = exact_argmax(weight, hidden)
+    assert int(expected[-1]) == 100
+    whole = screen.logits(hidden)
+    assert torch.equal(whole.argmax(-1), expected)
+    assert (torch.isfinite(whole).sum(-1) < V // 10).all()  # a screen, not the whole layer
+    for width in (1, 3, 17):  # each row alone or among others: the same finite scores, bit for bit
+        parts = torch.cat([screen.logits(hidden[i:i + width]) for i in range(0, len(hidden), width)])
+        finite = torch.isfinite(whole)
+        assert torch.equal(parts.argmax(-1), expected)
+        assert torch.equal(parts[finite & torch.isfinite(parts)], whole[finite & torch.isfinite(parts)])
+    batched = screen.logits(hidden.reshape(4, 16, H))  # (B, T, H) in, (B, T, V) out
+    assert batched.shape == (4, 16, V) and torch.equal(batched.argmax(-1).flatten(), expected)
+
+
+def test_a_bound_too_tight_misses_the_argmax(ops):
+    """The negative control: with the bound's weight terms at zero, the screen keeps only its
+    own best token and near-ties go wrong."""
+    weight, hidden = layer_and_states(seed=1, rows=128)
+    screen = ArgmaxScreen(weight)
+    screen.weight_error.zero_()
+    screen.weight_norm.zero_()
+    screen.widest_error = (0.0, 0.0)
+    assert not torch.equal(screen.logits(hidden).argmax(-1), exact_argmax(weight, hidden))
+
+
+def test_the_bound_holds_for_every_token(ops):
+    """|exact - screen| <= the bound, for every token of every row (one term and two)."""
+    weight, hidden = layer_and_states(seed=2, rows=16)
+    screen = ArgmaxScreen(weight)
+    exact = (hidden.double() @ weight.double().T).float().double()
+    residual = activation_residual(hidden)
+    one = screen.int8(hidden).double()
+    bound = screen.weight_error * hidden.double().norm(dim=-1, keepdim=True) \
+        + screen.weight_norm * residual.norm(dim=-1, keepdim=True)
+    assert ((exact - one).abs() <= bound + ROUNDING * (one.abs() + 2 * bound + 1)).all()
+    two = one + screen.int8(residual.float()).double()
+    tighter = screen.weight_error * hidden.double().norm(dim=-1, keepdim=True) \
+        + screen.weight_norm * activation_residual(residual.float()).norm(dim=-1, keepdim=True)
+    assert ((exact - two).abs() <= tighter + ROUNDING * (two.abs() + 2 * tighter + 1) + 1e-6).all()
+    assert tighter.mean() < bound.mean() / 3  # why the second term is worth its call
+
+
+def test_the_residual_is_the_kernels_quantization(ops):
+    """activation_residual quantizes as the int8 kernel does: the kernel's output for h equals
+    the one for h - r (the part it keeps), bit for bit."""
+    torch.manual_seed(3)
+    hidden = torch.randn(8, H) * 5
+    screen = ArgmaxScreen(torch.randn(64, H))
+    kept = (hidden.double() - activation_residual(hidden)).float()
+    assert torch.equal(screen.int8(hidden), screen.int8(kept))
+    assert activation_residual(hidden).abs().max() <= hidden.abs().amax() / 254 * (1 + 1e-6)
+
+
+def test_rows_with_nan_infinity_or_zeros(ops):
+    """A NaN or infinite hidden state leaves no finite logit (the engine's non-finite check then
+    ends the row); a zero one ties every token at 0, and the argmax is token 0."""
+    weight, hidden = layer_and_states(seed=4, rows=4)
+    hidden[0, 5], hidden[1, 7], hidden[2] = float("nan"), float("inf"), 0.0
+    logits = ArgmaxScreen(weight).logits(hidden)
+    assert not torch.isfinite(logits[0]).any() and not torch.isfinite(logits[1]).any()
+    assert int(logits[2].argmax()) == 0 and torch.equal(logits[3].argmax(), exact_argmax(weight, hidden[3:]).squeeze())
+
+
+def test_exact_scores_are_the_same_bits_on_every_instruction_set(ops):
+    torch.manual_seed(5)
+    weight, hidden = torch.randn(300, 203), torch.randn(7, 203)  # 203: lanes and a remainder
+    rows, tokens = torch.randint(0, 7, (500,)), torch.randint(0, 300, (500,))
+    isas = ["plain"] + (["avx2"] if ops.int8_isa() != "plain" else []) + ["auto"]
+    results = [ops.exact_scores(weight, hidden, rows, tokens, isa) for isa in isas]
+    assert all(torch.equal(result, results[0]) for result in results)
+    reference = (weight[tokens].double() * hidden[rows].double()).sum(-1)
+    torch.testing.assert_close(results[0].double(), reference, rtol=1e-7, atol=1e-9)
+    bf16 = ops.exact_scores(weight.bfloat16(), hidden, rows, tokens, "auto")
+    torch.testing.assert_close(bf16.double(), (weight.bfloat16()[tokens].double() * hidden[rows].double()).sum(-1),
+                               rtol=1e-7, atol=1e-9)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.exact_scores(weight, hidden, torch.tensor([7]), torch.tensor([0]), "auto")
+
+
+def test_screened_head_mixes_greedy_and_full_rows(ops):
+    """Rows not asked for their argmax get the layer's own logits, bit for bit."""
+    weight, hidden = layer_and_states(seed=6, rows=12)
+    layer = torch.nn.Linear(H, V, bias=False)
+    layer.weight.data = weight
+    head = ScreenedHead.where_it_pays(layer) or ScreenedHead(weight)
+    states = hidden.reshape(3, 4, H)
+    logits = head.logits(states, [True, False, True], lambda h: layer(h))
+    assert torch.equal(logits[1], layer(states[1]))
+    assert torch.equal(logits[[0, 2]].argmax(-1).flatten(), exact_argmax(weight, states[[0, 2]].reshape(-1, H)))
+
+
+def test_large_float32_layers_only(ops, monkeypatch):
+    big = torch.nn.Linear(640, 1 << 16, bias=False)  # 42M weights: screened
+    assert ScreenedHead.where_it_pays(big) is not None
+    assert ScreenedHead.where_it_pays(torch.nn.Linear(640, 1000)) is None  # small: the layer is cheap
+    assert ScreenedHead.where_it_pays(big.to(torch.bfloat16)) is None
+    monkeypatch.setenv("SPECULATIVE_ARGMAX_SCREEN", "0")
+    assert ScreenedHead.where_it_pays(torch.nn.Linear(640, 1 << 16)) is None
+
+
+def run(engine, requests):
+    """Every request through the engine; its tokens by request id."""
+    tokens = {}
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(ids, params, request_id)
+        tokens[request_id] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoding_through_the_screen_equals_decoding_without_it(ops, batch):
+    """A tiny decoder with a screened head (forced: it is below the size that pays): plain and
+    speculative greedy decoding through it equal plain decoding with the full layer."""
+    model = tiny("decoder_only", vocab=512, seed=7)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6], [9, 9, 9, 9]][:batch]
+    screens[model.lm_head] = None
+    reference = autoregressive_generate(model, prompts, 24)
+    screens[model.lm_head] = head = ScreenedHead(model.lm_head.weight)
+    assert autoregressive_generate(model, prompts, 24) == reference
+    assert head._screen is not None  # it ran
+    head._screen = None
+    decoder = SpeculativeDecoder(model, NGramProposer(num_draft_tokens=6), SpeculativeConfig(num_draft_tokens=6))
+    assert decoder.generate(prompts, 24) == reference
+    assert head._screen is not None
+
+
+def test_a_sampled_row_beside_greedy_ones_gets_the_full_layer(ops):
+    """In one engine batch, greedy rows through the screen and a seeded sampled row: each gets
+    the tokens it gets with the screen off."""
+    model = tiny("decoder_only", vocab=512, seed=8)
+    requests = {"greedy": ([1, 2, 3, 1, 2], SamplingParams(20)),
+                "sampled": ([4, 5, 4, 5], SamplingParams(20, temperature=0.9, seed=3)),
+                "greedy too": ([7, 7, 8], SamplingParams(20))}
+    outputs = []
+    for head in (None, ScreenedHead(model.lm_head.weight)):
+        screens[model.lm_head] = head
+        engine = Engine(model, NGramProposer(num_draft_tokens=4), SpeculativeConfig(num_draft_tokens=4),
+                        max_batch_size=3)
+        outputs.append(run(engine, requests))
+    assert outputs[0] == outputs[1]
+    assert head._screen is not None
