@@ -8,6 +8,10 @@
 // NaN anywhere gets none. Tokens are first compared, in float32, with a threshold below every
 // candidate's (from the widest p of any token), then checked in float64.
 //
+// screen_weights: the screen's int8 rows of a float32 output layer (scale absmax / 127 per row)
+// with each row's |w - scale q|_2 and scale |q|_2 in float64 (the products and differences
+// exact, the sums rounding at 1e-16).
+//
 // exact_scores: out[p] = float32 rounding
 // of the float64 dot product of hidden[rows[p]] and weight[tokens[p]] (float32 or bfloat16
 // weights, float32 hidden states). Products of float32 values are exact in float64; the sum
@@ -224,9 +228,87 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& first, co
   return {rows, tokens};
 }
 
+// One row of screen_weights: q = w * (127 / absmax) rounded to nearest even within +-127, scale =
+// absmax / 127 (at least 1e-12), |w - scale q|_2 and scale |q|_2. The vector version rounds
+// and sums in another order: a process keeps one, and the bounds hold for either.
+void screen_row(const float* row, int64_t K, int8_t* q, float* scale, double* error, double* norm) {
+  float peak = 0.f;
+  for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+  const float step = std::max(peak / 127.f, 1e-12f), inverse = 1.f / step;
+  double e = 0, n = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float r = std::min(127.f, std::max(-127.f, std::nearbyint(row[k] * inverse)));
+    q[k] = static_cast<int8_t>(r);
+    const double left = static_cast<double>(row[k]) - static_cast<double>(step) * r;
+    e += left * left;
+    n += static_cast<double>(r) * r;
+  }
+  *scale = step;
+  *error = std::sqrt(e);
+  *norm = static_cast<double>(step) * std::sqrt(n);
+}
+
+__attribute__((target("avx512f,avx512bw"))) void screen_row_avx512(const float* row, int64_t K, int8_t* q,
+                                                                   float* scale, double* error, double* norm) {
+  __m512 most = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  float peak = _mm512_reduce_max_ps(most);
+  for (; k < K; ++k) peak = std::max(peak, std::fabs(row[k]));
+  const float step = std::max(peak / 127.f, 1e-12f), inverse = 1.f / step;
+  const __m512 inv = _mm512_set1_ps(inverse), high = _mm512_set1_ps(127.f), low = _mm512_set1_ps(-127.f);
+  const __m512d stepd = _mm512_set1_pd(step);
+  __m512d e = _mm512_setzero_pd(), n = _mm512_setzero_pd();
+  for (k = 0; k + 16 <= K; k += 16) {
+    const __m512 x = _mm512_loadu_ps(row + k);
+    const __m512 r = _mm512_min_ps(high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_mul_ps(x, inv),
+                                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(x)), r0 = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
+    const __m512d x1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    const __m512d r1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+    const __m512d left0 = _mm512_sub_pd(x0, _mm512_mul_pd(stepd, r0)), left1 = _mm512_sub_pd(x1, _mm512_mul_pd(stepd, r1));
+    e = _mm512_add_pd(e, _mm512_add_pd(_mm512_mul_pd(left0, left0), _mm512_mul_pd(left1, left1)));
+    n = _mm512_add_pd(n, _mm512_add_pd(_mm512_mul_pd(r0, r0), _mm512_mul_pd(r1, r1)));
+  }
+  double es = _mm512_reduce_add_pd(e), nsum = _mm512_reduce_add_pd(n);
+  for (; k < K; ++k) {
+    const float r = std::min(127.f, std::max(-127.f, std::nearbyint(row[k] * inverse)));
+    q[k] = static_cast<int8_t>(r);
+    const double left = static_cast<double>(row[k]) - static_cast<double>(step) * r;
+    es += left * left;
+    nsum += static_cast<double>(r) * r;
+  }
+  *scale = step;
+  *error = std::sqrt(es);
+  *norm = static_cast<double>(step) * std::sqrt(nsum);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_weights(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "screen_weights: weight must be a contiguous (V, K) float32 matrix");
+  const int64_t V = weight.size(0), K = weight.size(1);
+  at::Tensor q = at::empty({V, K}, weight.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({V}, weight.options());
+  at::Tensor error = at::empty({V}, weight.options().dtype(at::kDouble));
+  at::Tensor norm = at::empty({V}, weight.options().dtype(at::kDouble));
+  const float* w = weight.data_ptr<float>();
+  int8_t* qs = q.data_ptr<int8_t>();
+  float* ss = scale.data_ptr<float>();
+  double* es = error.data_ptr<double>();
+  double* ns = norm.data_ptr<double>();
+  const bool wide = speculative::best_isa() == Isa::vnni;
+  at::parallel_for(0, V, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v)
+      (wide ? screen_row_avx512 : screen_row)(w + v * K, K, qs + v * K, ss + v, es + v, ns + v);
+  });
+  return {q, scale, error, norm};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
+  m.def("screen_weights(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)", &screen_weights);
   m.def("screen_candidates(Tensor first, Tensor? second, Tensor error, Tensor norm, Tensor norms, float widest_error, "
         "float widest_norm, float rounding) -> (Tensor, Tensor)", &screen_candidates);
   m.def("exact_scores(Tensor weight, Tensor hidden, Tensor rows, Tensor tokens, str isa) -> Tensor", &exact_scores);
