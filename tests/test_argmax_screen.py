@@ -67,20 +67,16 @@ def test_a_bound_too_tight_misses_the_argmax(ops):
 
 
 def test_the_bound_holds_for_every_token(ops):
-    """|exact - screen| <= the bound, for every token of every row (one term and two)."""
+    """|exact - screen| <= the bound, for every token of every row."""
     weight, hidden = layer_and_states(seed=2, rows=16)
     screen = ArgmaxScreen(weight)
     exact = (hidden.double() @ weight.double().T).float().double()
     residual = activation_residual(hidden)
-    one = screen.int8(hidden).double()
+    scores = screen.int8(hidden).double()
     bound = screen.weight_error * hidden.double().norm(dim=-1, keepdim=True) \
         + screen.weight_norm * residual.norm(dim=-1, keepdim=True)
-    assert ((exact - one).abs() <= bound + ROUNDING * (one.abs() + 2 * bound + 1)).all()
-    two = one + screen.int8(residual.float()).double()
-    tighter = screen.weight_error * hidden.double().norm(dim=-1, keepdim=True) \
-        + screen.weight_norm * activation_residual(residual.float()).norm(dim=-1, keepdim=True)
-    assert ((exact - two).abs() <= tighter + ROUNDING * (two.abs() + 2 * tighter + 1) + 1e-6).all()
-    assert tighter.mean() < bound.mean() / 3  # why the second term is worth its call
+    assert ((exact - scores).abs() <= bound + ROUNDING * (scores.abs() + 2 * bound + 1)).all()
+    assert ((exact - scores).abs() > bound / 50).any()  # not loose by orders of magnitude
 
 
 def test_the_residual_is_the_kernels_quantization(ops):

@@ -1,8 +1,7 @@
 // The compiled parts of models/argmax_screen.py: the candidates of each row's screen, and their
 // exact scores.
 //
-// screen_candidates: for each row n of a screen (N, V) float32, held in one part or two (first +
-// second), the tokens v whose screen score a_v plus their own bound b_v reaches the floor
+// screen_candidates: for each row n of a screen (N, V) float32, the tokens v whose screen score a_v plus their own bound b_v reaches the floor
 // best - b_best (best: the row's largest a, the first at ties), where b_v = p + rounding *
 // (|a_v| + 2 p + 1), p = error[v] * norms[n][0] + norm[v] * norms[n][1] (float64). A row with a
 // NaN anywhere gets none. Tokens are first compared, in float32, with a threshold below every
@@ -118,73 +117,62 @@ at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, cons
   return out;
 }
 
-// A row's screen score of token v: one part, or the sum of two.
-inline float score(const float* x, const float* y, int64_t v) { return y ? x[v] + y[v] : x[v]; }
-
 // The row's largest score; NaN if any score is NaN.
-float row_max(const float* x, const float* y, int64_t V) {
+float row_max(const float* x, int64_t V) {
   float best = -std::numeric_limits<float>::infinity();
   for (int64_t v = 0; v < V; ++v) {
-    const float s = score(x, y, v);
+    const float s = x[v];
     if (std::isnan(s)) return s;
     best = std::max(best, s);
   }
   return best;
 }
 
-__attribute__((target("avx512f"))) float row_max_avx512(const float* x, const float* y, int64_t V) {
+__attribute__((target("avx512f"))) float row_max_avx512(const float* x, int64_t V) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   int64_t v = 0;
   for (; v + 16 <= V; v += 16) {
-    __m512 s = _mm512_loadu_ps(x + v);
-    if (y) s = _mm512_add_ps(s, _mm512_loadu_ps(y + v));
+    const __m512 s = _mm512_loadu_ps(x + v);
     nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, s);
   }
   if (nan) return std::numeric_limits<float>::quiet_NaN();
   float out = _mm512_reduce_max_ps(best);
   for (; v < V; ++v) {
-    const float s = score(x, y, v);
-    if (std::isnan(s)) return s;
-    out = std::max(out, s);
+    if (std::isnan(x[v])) return x[v];
+    out = std::max(out, x[v]);
   }
   return out;
 }
 
 // check(v) for every token whose score is at least `threshold`, in order.
 template <typename Check>
-__attribute__((target("avx512f"))) void above_avx512(const float* x, const float* y, int64_t V, float threshold,
-                                                     Check&& check) {
+__attribute__((target("avx512f"))) void above_avx512(const float* x, int64_t V, float threshold, Check&& check) {
   const __m512 limit = _mm512_set1_ps(threshold);
   int64_t v = 0;
   for (; v + 16 <= V; v += 16) {
-    __m512 s = _mm512_loadu_ps(x + v);
-    if (y) s = _mm512_add_ps(s, _mm512_loadu_ps(y + v));
+    const __m512 s = _mm512_loadu_ps(x + v);
     for (__mmask16 m = _mm512_cmp_ps_mask(s, limit, _CMP_GE_OQ); m; m &= m - 1) check(v + __builtin_ctz(m));
   }
   for (; v < V; ++v)
-    if (score(x, y, v) >= threshold) check(v);
+    if (x[v] >= threshold) check(v);
 }
 
-std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& first, const std::optional<at::Tensor>& part,
+std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& screen,
                                                      const at::Tensor& error, const at::Tensor& norm,
                                                      const at::Tensor& norms, double widest_error, double widest_norm,
                                                      double rounding) {
-  const bool two = part.has_value() && part->defined();
-  const at::Tensor second = two ? *part : first;
-  TORCH_CHECK(first.dim() == 2 && first.sizes() == second.sizes() && first.scalar_type() == at::kFloat &&
-                  second.scalar_type() == at::kFloat && first.is_contiguous() && second.is_contiguous(),
-              "screen_candidates: the screen's parts must be contiguous float32 matrices of one shape");
-  const int64_t N = first.size(0), V = first.size(1);
+  TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kFloat && screen.is_contiguous(),
+              "screen_candidates: the screen must be a contiguous (N, V) float32 matrix");
+  const int64_t N = screen.size(0), V = screen.size(1);
   TORCH_CHECK(error.scalar_type() == at::kDouble && norm.scalar_type() == at::kDouble && error.numel() == V &&
                   norm.numel() == V && error.is_contiguous() && norm.is_contiguous(),
               "screen_candidates: error and norm must be contiguous float64 vectors of V entries");
   TORCH_CHECK(norms.scalar_type() == at::kDouble && norms.dim() == 2 && norms.size(0) == N && norms.size(1) == 2 &&
                   norms.is_contiguous(),
               "screen_candidates: norms must be a contiguous (N, 2) float64 matrix");
-  const float* a = first.data_ptr<float>();
-  const float* b = second.data_ptr<float>();
+  const float* a = screen.data_ptr<float>();
   const double* err = error.data_ptr<double>();
   const double* nrm = norm.data_ptr<double>();
   const double* hn = norms.data_ptr<double>();
@@ -193,11 +181,10 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& first, co
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* x = a + n * V;
-      const float* y = two ? b + n * V : nullptr;
-      const float best = wide ? row_max_avx512(x, y, V) : row_max(x, y, V);
+      const float best = wide ? row_max_avx512(x, V) : row_max(x, V);
       if (std::isnan(best) || best == -std::numeric_limits<float>::infinity()) continue;  // NaN, or nothing finite
       int64_t at = 0;
-      while (score(x, y, at) != best) ++at;
+      while (x[at] != best) ++at;
       const double h = hn[2 * n], r = hn[2 * n + 1];
       auto bound = [&](double p, double value) { return p + rounding * (std::fabs(value) + 2 * p + 1); };
       const double floor = best - bound(err[at] * h + nrm[at] * r, best);
@@ -207,20 +194,20 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& first, co
       float threshold = static_cast<float>(floor - spread - rounding * (z + 2 * spread + 1));
       threshold = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
       auto check = [&](int64_t v) {
-        const float s = score(x, y, v);
+        const float s = x[v];
         if (s + bound(err[v] * h + nrm[v] * r, s) >= floor) found[n].push_back(v);
       };
       if (wide)
-        above_avx512(x, y, V, threshold, check);
+        above_avx512(x, V, threshold, check);
       else
         for (int64_t v = 0; v < V; ++v)
-          if (score(x, y, v) >= threshold) check(v);
+          if (x[v] >= threshold) check(v);
     }
   });
   int64_t total = 0;
   for (const auto& f : found) total += static_cast<int64_t>(f.size());
-  at::Tensor rows = at::empty({total}, first.options().dtype(at::kLong));
-  at::Tensor tokens = at::empty({total}, first.options().dtype(at::kLong));
+  at::Tensor rows = at::empty({total}, screen.options().dtype(at::kLong));
+  at::Tensor tokens = at::empty({total}, screen.options().dtype(at::kLong));
   int64_t* r = rows.data_ptr<int64_t>();
   int64_t* t = tokens.data_ptr<int64_t>();
   for (int64_t n = 0, p = 0; n < N; ++n)
@@ -309,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_weights(const 
 
 TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
   m.def("screen_weights(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)", &screen_weights);
-  m.def("screen_candidates(Tensor first, Tensor? second, Tensor error, Tensor norm, Tensor norms, float widest_error, "
+  m.def("screen_candidates(Tensor screen, Tensor error, Tensor norm, Tensor norms, float widest_error, "
         "float widest_norm, float rounding) -> (Tensor, Tensor)", &screen_candidates);
   m.def("exact_scores(Tensor weight, Tensor hidden, Tensor rows, Tensor tokens, str isa) -> Tensor", &exact_scores);
 }
