@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -531,14 +532,17 @@ def test_the_official_client_reads_the_errors(server):
 def test_the_server_logs_each_request_its_draft_and_its_shutdown(server):
     server.post(COMPLETIONS, {"model": "default", "prompt": "import os", "max_tokens": 5})
     server.post(COMPLETIONS, b"{")
+    deadline = time.monotonic() + TIMEOUT  # a request's line is written after its reply is sent
+    while '"POST /v1/completions" 400 ' not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.01)
     lines = server.output().splitlines()
     assert "(draft: none (plain decoding: the target alone)" in lines[0]
     assert any('"POST /v1/completions" 200 tokens 2+5 ' in line for line in lines), lines
     assert any('"POST /v1/completions" 400 ' in line for line in lines), lines
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(TIMEOUT) == 0
-    tail = server.output().splitlines()[-2:]
-    assert "shutting down (SIGTERM)" in tail[0] and "stopped after" in tail[1]
+    after = server.output().splitlines()[len(lines):]
+    assert any("shutting down (SIGTERM)" in line for line in after[:-1]) and "stopped after" in after[-1], after
 
 
 # --- train: the budget holds inside long steps ----------------------------------------------
