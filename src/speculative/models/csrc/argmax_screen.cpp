@@ -1,24 +1,22 @@
-// The compiled parts of models/argmax_screen.py: the candidates of each row's screen, and their
-// exact scores.
-//
-// screen_candidates: for each row n of a screen (N, V) float32, the tokens v whose screen score a_v plus their own bound b_v reaches the floor
-// best - b_best (best: the row's largest a, the first at ties), where b_v = p + rounding *
-// (|a_v| + 2 p + 1), p = error[v] * norms[n][0] + norm[v] * norms[n][1] (float64). A row with a
-// NaN anywhere gets none. Tokens are first compared, in float32, with a threshold below every
-// candidate's (from the widest p of any token), then checked in float64.
+// The compiled parts of models/argmax_screen.py.
 //
 // screen_weights: the screen's int8 rows of a float32 output layer (scale absmax / 127 per row)
 // with each row's |w - scale q|_2 and scale |q|_2 in float64 (the products and differences
 // exact, the sums rounding at 1e-16).
 //
-// exact_scores: out[p] = float32 rounding
-// of the float64 dot product of hidden[rows[p]] and weight[tokens[p]] (float32 or bfloat16
-// weights, float32 hidden states). Products of float32 values are exact in float64; the sum
-// runs in one fixed order (8 accumulators, then a fixed tree), so a pair gets the same bits
-// whatever else the call scores, in plain C++ on every CPU.
+// screen_candidates: for each row n of a screen (N, V) float32, the tokens v whose screen score
+// a_v plus their own bound b_v reaches the floor best - b_best (best: the row's largest a, the
+// first at ties), where b_v = p + rounding * (|a_v| + 2 p + 1), p = error[v] * norms[n][0] +
+// norm[v] * norms[n][1] (float64). A row with a NaN anywhere gets none. Tokens are first
+// compared, in float32, with a threshold below every candidate's (from the widest p of any
+// token), then checked in float64.
+//
+// exact_scores: out[p] = the float32 rounding of the float64 dot product of hidden[rows[p]] and
+// weight[tokens[p]]. Products of float32 values are exact in float64; the sum runs in one fixed
+// order (8 lanes, then a fixed tree), so a pair gets the same bits whatever else the call
+// scores, on every instruction set.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -43,13 +41,12 @@ inline double lanes_sum(const double* acc) {
 
 // Lane j sums the products of columns j, 8 + j, 16 + j, ... then the remainder's, as the
 // vector versions below do (a product, then a sum: no fused multiply-add).
-template <typename W>
-double dot_plain(const W* w, const float* h, int64_t K) {
+double dot_plain(const float* w, const float* h, int64_t K) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= K; k += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(static_cast<float>(w[k + j])) * h[k + j];
-  for (int j = 0; k < K; ++k, ++j) acc[j] += static_cast<double>(static_cast<float>(w[k])) * h[k];
+    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(w[k + j]) * h[k + j];
+  for (int j = 0; k < K; ++k, ++j) acc[j] += static_cast<double>(w[k]) * h[k];
   return lanes_sum(acc);
 }
 
@@ -89,9 +86,8 @@ double dot(const float* w, const float* h, int64_t K, Isa isa) {
 at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, const at::Tensor& rows,
                         const at::Tensor& tokens, const std::string& isa_name) {
   const Isa isa = speculative::isa_named(isa_name, "exact_scores");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "exact_scores: weight must be a contiguous (V, K) float32 or bfloat16 matrix");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "exact_scores: weight must be a contiguous (V, K) float32 matrix");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
                   hidden.size(1) == weight.size(1),
               "exact_scores: hidden must be a contiguous (N, K) float32 matrix with the weight's K");
@@ -106,12 +102,11 @@ at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, cons
     TORCH_CHECK(r[p] >= 0 && r[p] < N && t[p] >= 0 && t[p] < V, "exact_scores: pair ", p, " is out of range");
   const float* h = hidden.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const float* w = weight.data_ptr<float>();
   at::parallel_for(0, P, 256, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* x = h + r[p] * K;
-      o[p] = static_cast<float>(bf16 ? dot_plain(weight.data_ptr<c10::BFloat16>() + t[p] * K, x, K)
-                                     : dot(weight.data_ptr<float>() + t[p] * K, x, K, isa));
+      o[p] = static_cast<float>(dot(w + t[p] * K, x, K, isa));
     }
   });
   return out;
