@@ -20,6 +20,8 @@ docs/glossary.md):
 - limit (`limits[b]`): the most tokens the draft model is asked for row b (0: none).
 - verify width: the positions one row feeds the target in a verify forward: its last
   committed token and its drafts (draft length + 1; a tree: nodes + 1).
+- argmax rows: the greedy rows of a verify forward, whose logits are read only for their
+  argmax; a target that screens them (`screens_argmax`) may score most tokens -inf there.
 - free draft: tokens drafted at no cost (prompt lookup), `preferred` when a long match
   makes them better than the draft model's.
 - plan: how far this step drafts (its K) and whether the draft model runs, for the batch as
