@@ -81,52 +81,36 @@ def activation_residual(x: torch.Tensor) -> torch.Tensor:
     return x.double() - q.double() * step.double()
 
 
-class ScreenedHead:
-    """An output layer whose argmax rows go through an ArgmaxScreen, made at their first use
-    (0.1 s and a quarter of the layer's bytes for Gemma 3's; sampling alone never pays it)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias = weight, bias
-        self._screen: ArgmaxScreen | None = None
-
-    @classmethod
-    def where_it_pays(cls, layer) -> "ScreenedHead | None":
-        """A screened head for a plain linear output layer (h W^T + b) with a large float32
-        weight on a CPU where the compiled kernels run, unless SPECULATIVE_ARGMAX_SCREEN=0;
-        else None."""
-        weight = getattr(layer, "weight", None)
-        if (os.environ.get("SPECULATIVE_ARGMAX_SCREEN", "1") == "0" or type(layer) not in (nn.Linear, PackedLinear)
-                or not isinstance(weight, torch.Tensor)
-                or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
-                or weight.numel() < MIN_WEIGHTS or compiled_ops() is None):
-            return None
-        return cls(weight, getattr(layer, "bias", None))
-
-    def logits(self, hidden: torch.Tensor, argmax_rows: list[bool], full) -> torch.Tensor:
-        """Float32 logits (B, T, V) of hidden (B, T, H): row b screened where argmax_rows[b],
-        else `full(hidden rows)`."""
-        if self._screen is None:
-            self._screen = ArgmaxScreen(self.weight, self.bias)
-        if all(argmax_rows):
-            return self._screen.logits(hidden)
-        screened = torch.tensor(argmax_rows, device=hidden.device)
-        out = torch.empty(*hidden.shape[:-1], len(self.weight), dtype=torch.float32, device=hidden.device)
-        out[screened] = self._screen.logits(hidden[screened])
-        out[~screened] = full(hidden[~screened]).float()
-        return out
+def screen_pays(layer) -> bool:
+    """Whether to screen an output layer: a plain linear one (h W^T + b) with a large float32
+    weight on a CPU where the compiled kernels run, unless SPECULATIVE_ARGMAX_SCREEN=0."""
+    weight = getattr(layer, "weight", None)
+    return (os.environ.get("SPECULATIVE_ARGMAX_SCREEN", "1") != "0" and type(layer) in (nn.Linear, PackedLinear)
+            and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.numel() >= MIN_WEIGHTS and compiled_ops() is not None)
 
 
-# Output layer -> its ScreenedHead, or None where a screen would not pay (decided once per layer).
-_SCREENS: "weakref.WeakKeyDictionary[nn.Module, ScreenedHead | None]" = weakref.WeakKeyDictionary()
+# Output layer -> its ArgmaxScreen, or None where one would not pay; made at the first forward
+# with an argmax row (0.1 s and a quarter of the layer's bytes for Gemma 3's: sampling alone
+# never pays it).
+_SCREENS: "weakref.WeakKeyDictionary[nn.Module, ArgmaxScreen | None]" = weakref.WeakKeyDictionary()
 
 
 def screened_logits(layer: nn.Module, hidden: torch.Tensor, argmax_rows: list[bool], full=None) -> torch.Tensor:
     """Float32 logits (B, T, V) of the output layer `layer` over hidden (B, T, H): the rows of
     `argmax_rows` through its screen where one pays, the others by `full` (default: the layer)."""
     full = full or (lambda h: layer(h).float())
-    if layer not in _SCREENS:
-        _SCREENS[layer] = ScreenedHead.where_it_pays(layer)
-    head = _SCREENS[layer]
-    if head is None or not any(argmax_rows):
+    if not any(argmax_rows):
         return full(hidden)
-    return head.logits(hidden, list(argmax_rows), full)
+    if layer not in _SCREENS:
+        _SCREENS[layer] = ArgmaxScreen(layer.weight, getattr(layer, "bias", None)) if screen_pays(layer) else None
+    screen = _SCREENS[layer]
+    if screen is None:
+        return full(hidden)
+    if all(argmax_rows):
+        return screen.logits(hidden)
+    screened = torch.tensor(list(argmax_rows), device=hidden.device)
+    out = torch.empty(*hidden.shape[:-1], len(screen.weight), dtype=torch.float32, device=hidden.device)
+    out[screened] = screen.logits(hidden[screened])
+    out[~screened] = full(hidden[~screened]).float()
+    return out

@@ -135,6 +135,7 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     with torch.inference_mode():
         state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
         last = [p[-1] for p in prompts]
+        screens = screens_argmax(model)  # greedy rows' logits are read only for their argmax
         while True:
             keep = [i for i, row in enumerate(active) if len(outputs[row]) < budgets[row]
                     and not (outputs[row] and outputs[row][-1] in eos)]
@@ -144,7 +145,7 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
                 model.select_rows(state, keep)
                 active, last = [active[i] for i in keep], [last[i] for i in keep]
                 generators = [generators[i] for i in keep]
-            screen = {"argmax_rows": [not config.sampling] * len(active)} if screens_argmax(model) else {}
+            screen = {"argmax_rows": [not config.sampling] * len(active)} if screens else {}
             logits = model.forward(torch.tensor(last, device=model.device)[:, None], state, **screen)[:, -1]  # (B, V)
             bad = non_finite_rows(logits)
             if bad:
