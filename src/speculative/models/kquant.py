@@ -212,7 +212,7 @@ def kquant_share(gguf: Path, kinds=K_QUANTS) -> float:
 
 def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | None:
     """Why `auto` runs a model directory of `weights` matrix weights on the blocks of the GGUF
-    file it was made from, or None where it does not: only on a CPU with VNNI and no AMX (where
+    file it was made from, or None where it does not: only on a CPU with VNNI (where
     `auto` picks int8). A target (INT8_MIN_WEIGHTS or more; a draft's size is load_draft's)
     needs half of its layers' weights in Q4_K or Q6_K: there the file's own blocks decode
     faster than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the
@@ -228,8 +228,8 @@ def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | 
     gguf = presets.source_gguf(path)
     if gguf is None or kquant_share(gguf, KERNEL_TYPES if draft else K_QUANTS) < 0.5 or compiled_ops() is None:
         return None
-    return (f"auto: gguf, the blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively (VNNI, no "
-            "AMX): a forward reads about two thirds of int8's bytes, and every width gets the same bits")
+    return (f"auto: gguf, the blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively (VNNI): a "
+            "forward reads about two thirds of int8's bytes, and every width gets the same bits")
 
 
 def load_preset(path: Path, config: dict, device, reason: str | None = None) -> DecoderOnlyLM:

@@ -7,12 +7,14 @@ verification, sampling and the acceptance ratio p/q never see rounded probabilit
 quantized on their own, float32 for the rest. Its forward reads a quarter of float32's
 bytes and half of bfloat16's, and it is width-invariant: a verify forward gives each
 token the bits of a one-token forward, so speculative output is exactly the int8 model's
-own. On CPUs whose cores multiply 8-bit integers natively (VNNI) and have no AMX, `auto`
-picks it for models of INT8_MIN_WEIGHTS weights or more: on a Zen 4 EPYC (AVX512-BF16 and
-VNNI, no AMX) Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16, Gemma
-3 270M 1.5x (BENCHMARKS.md, llama-cpp). With AMX, bfloat16 keeps its matrix units; without
-VNNI (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here,
-so `auto` does not pick it there. Where it would pick int8 for a preset made from a GGUF file
+own. On CPUs whose cores multiply 8-bit integers natively (VNNI), `auto` picks it for models
+of INT8_MIN_WEIGHTS weights or more: decoding reads weights, and int8 reads half of
+bfloat16's bytes. On a Zen 4 EPYC (AVX512-BF16 and VNNI, no AMX) Qwen2.5-Coder 1.5B decoded
+2.2x faster in int8 than in packed bfloat16, Gemma 3 270M 1.5x (BENCHMARKS.md, llama-cpp);
+on an Intel Xeon with AMX a one-token forward took 108 ms in int8 against 312 ms in
+bfloat16 on its matrix units (Qwen 1.5B), 26 against 42 ms (Gemma 3 270M). Without VNNI
+(AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here, so
+`auto` does not pick it there. Where it would pick int8 for a preset made from a GGUF file
 that is mostly Q4_K/Q6_K, `load_model` runs the file's own blocks instead (`kquant.auto_reason`).
 
 On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
@@ -72,10 +74,10 @@ INT8_MIN_WEIGHTS = SMALL_FOR_16_BITS
 
 
 def cpu_has_int8(features: frozenset[str] | None = None) -> bool:
-    """Whether the CPU multiplies 8-bit integers natively (VNNI) and has no AMX, whose
-    bfloat16 matrix units are the faster choice there."""
+    """Whether the CPU multiplies 8-bit integers natively (VNNI). With AMX too: its bfloat16
+    matrix units do not make up for reading twice the bytes of int8 (module docstring)."""
     features = cpu_features() if features is None else features
-    return bool({"avx512_vnni", "avx_vnni"} & features) and not {"amx_bf16", "amx_int8"} & features
+    return bool({"avx512_vnni", "avx_vnni"} & features)
 
 
 def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = None,
@@ -92,7 +94,7 @@ def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = Non
             and (weights is None or weights >= INT8_MIN_WEIGHTS)):
         machine = platform.machine() or "this CPU"
         return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers natively "
-                                     "(VNNI, no AMX): a forward reads half of bfloat16's bytes, and verifying a "
+                                     "(VNNI): a forward reads half of bfloat16's bytes, and verifying a "
                                      "few tokens costs about one")
     return (False, *resolve_dtype(dtype, device, features, weights))
 
