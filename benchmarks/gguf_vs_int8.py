@@ -1,7 +1,8 @@
 """`--dtype gguf` (the GGUF's own Q4_K/Q6_K blocks, what `auto` picks on CPUs with VNNI) against
-int8 and llama.cpp, Qwen2.5-Coder 1.5B, plain and speculative (lookup + the 0.5B draft in int8,
-or on its own file's blocks, mostly Q5_0, as `auto` loads it; scoring 32k tokens,
-`--draft-vocab auto`, but in the int8 row).
+int8 and llama.cpp, Qwen2.5-Coder 1.5B, plain and speculative: the default (lookup first, the
+0.5B draft else, up to 4 tokens, on its own file's blocks, mostly Q5_0, as `auto` loads it,
+scoring 32k tokens as `--draft-vocab auto`), the default with lookup matches drafting up to 24
+(`--lookup-draft-tokens 24`), and int8 with lookup alone (K = 16).
 
     python benchmarks/gguf_vs_int8.py [PROMPTS_PER_WORKLOAD]   # default 2; needs llama-cpp-python
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vs_llama_cpp as V  # noqa: E402
 from run import qwen_workloads  # noqa: E402
 
-from speculative import SpeculativeConfig, load_model  # noqa: E402
+from speculative import NGramProposer, SpeculativeConfig, load_model  # noqa: E402
 from speculative.models.loading import load_draft  # noqa: E402
 from speculative.models.presets import QWEN_CODER_15B, assemble, cache_root  # noqa: E402
 
@@ -31,13 +32,15 @@ def main(limit: int) -> None:
     torch.set_num_threads(V.THREADS)
     gguf = str(assemble(QWEN_CODER_15B, cache_root() / "gguf" / f"{QWEN_CODER_15B.name}.gguf"))
     int8, kquant = load_model("qwen2.5-coder-1.5b", dtype="int8"), load_model("qwen2.5-coder-1.5b", dtype="gguf")
-    draft, gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="int8"), load_draft("qwen2.5-coder-0.5b", dtype="gguf")
-    default, vocab = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True), V.default_vocab(kquant.tokenizer)
+    gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="gguf")
+    vocab, reach = V.default_vocab(kquant.tokenizer), SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True,
+                                                                        lookup_draft_tokens=24)
     methods = {"llama.cpp plain": V.llama_method(gguf, False),
                "ours int8 plain": V.engine_method(int8), "ours gguf plain": V.engine_method(kquant),
-               "ours int8 + lookup + draft": V.engine_method(int8, draft, default),
-               "ours gguf + lookup + int8 draft, 32k": V.engine_method(kquant, draft, default, vocab),
-               "ours default (gguf, gguf draft, 32k)": V.engine_method(kquant, gguf_draft, default, vocab)}
+               "ours int8 + lookup (K = 16)": V.engine_method(int8, NGramProposer(num_draft_tokens=16),
+                                                              SpeculativeConfig(num_draft_tokens=16)),
+               "ours default, lookup drafts up to 24": V.engine_method(kquant, gguf_draft, reach, vocab),
+               "ours default (gguf, gguf draft, 32k)": V.engine_method(kquant, gguf_draft, V.DEFAULT, vocab)}
     eos = set(kquant.tokenizer.eos_token_ids)
     for workload, prompts in qwen_workloads(kquant.tokenizer, limit=limit).items():
         print(f"{workload}: prompts of {[len(p) for p in prompts]} tokens", flush=True)

@@ -34,6 +34,8 @@ from speculative.core.rows import SamplingParams
 
 MAX_NEW = 128
 THREADS = 2
+# What `generate` runs for the Qwen pair (engine_args): lookup first, the 0.5B draft else, up to 4 tokens.
+DEFAULT = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True)
 
 
 def llama_method(path: str, lookup: bool):
@@ -146,8 +148,7 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
     gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="gguf")  # its file's Q5_0 / Q8_0 / k-quant blocks
     ours.update({"ours gguf plain": engine_method(kquant),
                  "ours gguf + lookup + 0.5B gguf draft, 32k vocab (default)": engine_method(
-                     kquant, gguf_draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True),
-                     default_vocab(target.tokenizer))})
+                     kquant, gguf_draft, DEFAULT, default_vocab(target.tokenizer))})
     compare(save_per_machine, "llama-cpp", "Against llama.cpp: Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF", gguf,
             "qwen2.5-coder-1.5b", target, ours, workloads(target.tokenizer), runs, log)
 

@@ -86,16 +86,18 @@ def test_the_same_options_give_the_same_engine_on_every_front_end(tmp_path, reco
 def test_defaults_resolve_alike_on_every_front_end(tmp_path, records, recorded):
     for argv in front_ends(tmp_path, records).values():
         assert main(argv) == 1  # Stop
-    assert {(a.draft, a.num_draft_tokens, a.ngram_min, a.ngram_max, a.adaptive) for a in recorded} == {
-        ("default-draft+ngram", MODEL_K, 1, 4, True)}
+    assert {(a.draft, a.num_draft_tokens, a.lookup_draft_tokens, a.ngram_min, a.ngram_max, a.adaptive)
+            for a in recorded} == {("default-draft+ngram", MODEL_K, None, 1, 4, True)}
     assert EngineArgs(target="elsewhere").validate().num_draft_tokens == LOOKUP_K  # the partner of others: ngram
+    reach = EngineArgs(lookup_draft_tokens=24).config(sampling=False)  # lookup matches up to 24, the model up to K
+    assert (reach.num_draft_tokens, reach.lookup_draft_tokens, reach.longest_draft) == (MODEL_K, 24, 24)
 
 
 MISTAKES = [["--draft", "ngram", "--draft-vocab", "8"], ["--draft", "none", "-k", "3"],
             ["--draft", "default-draft", "--ngram-min", "2"], ["--ngram-min", "5", "--ngram-max", "2"],
             ["--tree-max-tokens", "8"], ["--draft-vocab-corpus", "x.txt"], ["--device", "meta"],
             ["--draft", "default-draft", "--draft-vocab", "-1"], ["-k", "0"], ["--tree-top-k", "40"],
-            ["--dtype", "float64"]]
+            ["--dtype", "float64"], ["--draft", "ngram", "--lookup-draft-tokens", "8"]]
 
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=" ".join)
@@ -123,6 +125,8 @@ def test_the_real_command_refuses_alike_everywhere(tmp_path, records, mistake, w
 
 @pytest.mark.parametrize("changes, message", [
     (dict(num_draft_tokens=0), "--num-draft-tokens (-k) must be an integer in 1..64, got 0"),
+    (dict(lookup_draft_tokens=65), "--lookup-draft-tokens must be an integer in 1..64, got 65"),
+    (dict(draft="default-draft", lookup_draft_tokens=8), "--lookup-draft-tokens applies to a draft model with"),
     (dict(tree_top_k=True), "--tree-top-k must be an integer in 1..32, got True"),
     (dict(max_batch_size=0), "--max-batch-size must be an integer in 1..65536, got 0"),
     (dict(seed=-1), "--seed must be an integer in 0..18446744073709551615, got -1"),

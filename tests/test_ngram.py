@@ -1,8 +1,10 @@
 """Prompt-lookup drafting: what it proposes, and that decoding with it stays exact."""
 
+import pytest
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
+from speculative.proposers.draft_model import DraftModelProposer
 from tests.helpers import TableModel, tiny
 from tests.test_greedy import CountingModel
 
@@ -89,3 +91,37 @@ def test_a_draft_model_that_lookup_makes_unneeded_never_runs_not_even_on_the_pro
     assert decoder.generate(prompts, 30) == autoregressive_generate(target, prompts, 30)
     assert decoder.stats.tokens_per_forward > 3
     assert not calls
+
+
+def test_with_a_draft_model_lookup_drafts_reach_their_own_k_and_the_model_keeps_its_own(monkeypatch):
+    """lookup_draft_tokens: a match drafts up to its own K (free to draft), the draft model
+    never more than num_draft_tokens; the output is still the target's greedy decoding."""
+    table = torch.zeros(16, 16)
+    for token in range(16):
+        table[token, (token + 1) % 7 if token < 7 else 0] = 10.0  # greedy output cycles through 0..6
+    target, draft = TableModel(table), TableModel(torch.roll(table, 1, dims=1))  # the draft is always wrong
+    prompts = [[(i + j) % 7 for j in range(9)] for i in range(2)] + [[9, 12]]  # the last has no match at first
+    asked = []
+    propose = DraftModelProposer.propose
+    monkeypatch.setattr(DraftModelProposer, "propose", lambda self, seqs, limits, *rest: asked.append(max(limits))
+                        or propose(self, seqs, limits, *rest))
+    for adaptive in (False, True):
+        config = SpeculativeConfig(adaptive=adaptive, num_draft_tokens=2, prompt_lookup=True, lookup_draft_tokens=12)
+        decoder = SpeculativeDecoder(target, draft, config)
+        asked.clear()
+        assert decoder.generate(prompts, 40) == autoregressive_generate(target, prompts, 40)
+        assert decoder.stats.tokens_per_forward > 3  # more than K = 2 drafts (3 tokens) can give
+        assert max(asked, default=0) <= 2  # never past its K (and, at a fixed K, it drafted)
+        assert asked or adaptive  # (the adaptive policy may leave an always wrong draft out)
+
+
+def test_lookup_draft_tokens_needs_prompt_lookup_and_a_bound():
+    with pytest.raises(ValueError, match="applies with prompt_lookup=True"):
+        SpeculativeConfig(lookup_draft_tokens=8)
+    with pytest.raises(ValueError, match="lookup_draft_tokens is 65, above its upper bound"):
+        SpeculativeConfig(prompt_lookup=True, lookup_draft_tokens=65)
+    with pytest.raises(ValueError, match="lookup_draft_tokens"):
+        SpeculativeConfig(prompt_lookup=True, lookup_draft_tokens=0)
+    assert SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True, lookup_draft_tokens=24).longest_draft == 24
+    assert SpeculativeConfig(num_draft_tokens=6, prompt_lookup=True, lookup_draft_tokens=3).longest_draft == 6
+    assert SpeculativeConfig(num_draft_tokens=6).longest_draft == 6

@@ -72,6 +72,10 @@ class SpeculativeConfig:
     # With prompt_lookup: the shortest and longest n-grams looked up (longest first).
     min_ngram: int = 1
     max_ngram: int = 4
+    # With prompt_lookup: the longest draft a lookup match may give (None: num_draft_tokens).
+    # A match drafts for free, so it may reach further than the draft model, whose drafts
+    # stay within num_draft_tokens; the adaptive policy chooses how much of it to verify.
+    lookup_draft_tokens: int | None = None
     # Token trees: children tried per tree node (1 = chains, today's drafts). Above 1, drafts
     # branch (n-gram lookup and the suffix cache by their matches, draft models and heads by
     # EAGLE-2 expansion) into trees of at most `tree_max_tokens` nodes and depth
@@ -107,9 +111,20 @@ class SpeculativeConfig:
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
             self._set(name, bool(value))
+        if self.lookup_draft_tokens is not None:
+            if not self.prompt_lookup:
+                raise ValueError("lookup_draft_tokens applies with prompt_lookup=True (a draft model with lookup in "
+                                 "front); leave it None otherwise")
+            self._set("lookup_draft_tokens", at_most(integer(self.lookup_draft_tokens, "lookup_draft_tokens", low=1),
+                                                     "lookup_draft_tokens", MAX_DRAFT_TOKENS))
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # normalizes numpy scalars to Python ones
+
+    @property
+    def longest_draft(self) -> int:
+        """The longest chain draft a row may take in one step: a lookup match's, or the draft model's K."""
+        return max(self.num_draft_tokens, self.lookup_draft_tokens or 0)
 
     @property
     def trees(self) -> bool:

@@ -92,6 +92,9 @@ PROBE_UNREAD, CATCH_UP_AFTER = 64, 4
 class AdaptivePolicy:
     # Upper bound on the draft length.
     max_k: int
+    # Upper bound on the draft model's drafts (None: max_k); lookup matches, free to draft,
+    # may reach max_k (SpeculativeConfig.lookup_draft_tokens).
+    model_k: int | None = None
     # With no drafting chosen, draft one token every this many steps to keep learning; and
     # every this many model steps, draft without the confidence floor.
     probe_every: int = 16
@@ -121,7 +124,7 @@ class AdaptivePolicy:
     def for_config(cls, config, book) -> "AdaptivePolicy":
         """The policy of a configuration: K from num_draft_tokens, tree budgets up to tree_max_tokens."""
         tree = TreeBudget(config.tree_max_tokens, config.num_draft_tokens) if config.trees else None
-        return cls(max_k=config.num_draft_tokens, book=book, tree=tree)
+        return cls(max_k=config.longest_draft, model_k=config.num_draft_tokens, book=book, tree=tree)
 
     def prepare(self, batch: int, measure, fresh: bool = True) -> None:
         """Have costs for a batch of this many rows before planning it: from the book (which
@@ -137,6 +140,7 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        self.model_k = min(self.model_k or self.max_k, self.max_k)
         self.model = self.model or Acceptance(self.max_k)
         self.lookup = self.lookup or Acceptance(self.max_k)
         self.weak_lookup = self.weak_lookup or Acceptance(self.max_k)
@@ -203,7 +207,7 @@ class AdaptivePolicy:
         for use_model in (False, True) if model_pays else (False,):
             for k in range(1, self.max_k + 1):
                 tokens, widest, model_k, model_rows, lookup_rows = self._expect(
-                    k, use_model, expected, lookup_lengths, preferred, max_drafts)
+                    k, use_model, expected, lookup_lengths, preferred, max_drafts, self.model_k)
                 if widest == 0:
                     continue
                 drafting = self.model.forwards(model_k, model_rows) * costs.draft
@@ -215,13 +219,14 @@ class AdaptivePolicy:
 
     @staticmethod
     def _expect(k: int, use_model: bool, expected, lookup_lengths: list[int], preferred: list[bool],
-                max_drafts: list[int]):
-        """Expected tokens of a step of this K over the batch; its longest draft, the draft
-        model's longest draft and how many rows it drafts for; per row, whether it takes lookup."""
+                max_drafts: list[int], model_cap: int):
+        """Expected tokens of a step of this K over the batch (the draft model drafting at most
+        `model_cap`); its longest draft, the draft model's longest draft and how many rows it
+        drafts for; per row, whether it takes lookup."""
         e_model, e_strong, e_weak = expected
         tokens, widest, model_k, model_rows, lookup_rows = 0.0, 0, 0, 0, []
         for length, lookup_first, most in zip(lookup_lengths, preferred, max_drafts):
-            by_model, by_lookup = min(k, most), min(k, length)
+            by_model, by_lookup = min(k, most, model_cap), min(k, length)
             e_lookup = e_strong if lookup_first else e_weak
             # A preferred lookup match drafts unless the model is expected to do better.
             take_lookup = not use_model or lookup_first and e_lookup[by_lookup] >= e_model[by_model]

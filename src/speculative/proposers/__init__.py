@@ -30,7 +30,7 @@ def as_proposer(draft, config, vocab=None, target=None) -> Proposer:
     else:
         proposer = DraftModelProposer(draft, vocab=vocab)
     if config.prompt_lookup:
-        proposer = HybridProposer(proposer, NGramProposer(config.max_ngram, config.min_ngram, config.num_draft_tokens))
+        proposer = HybridProposer(proposer, NGramProposer(config.max_ngram, config.min_ngram, config.longest_draft))
     return proposer
 
 

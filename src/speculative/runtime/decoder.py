@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         check_token_range(prompts, target.vocab_size)
         eos = sorted(check_eos(eos_token_id, target.vocab_size))
         check_length(prompts, token_budgets, target, "target")
-        check_draft_width(cfg.num_draft_tokens, target, "target")
+        check_draft_width(cfg.longest_draft, target, "target")
         if self.proposer.model is not None:
             check_length(prompts, token_budgets, self.proposer.model, "draft")
             check_draft_width(cfg.num_draft_tokens, self.proposer.model, "draft")

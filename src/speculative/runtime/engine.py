@@ -14,9 +14,11 @@ docs/glossary.md):
   state: every step feeds it first.
 - token budget: the most new tokens a request may get (`max_new_tokens`); left: what remains.
 - K (`num_draft_tokens`): the longest draft a row may take in one step (with `adaptive`,
-  the largest the policy may choose; with trees, the deepest a tree may go).
+  the largest the policy may choose; with trees, the deepest a tree may go). Behind a draft
+  model, a lookup match may reach `lookup_draft_tokens` instead (the longest draft,
+  `config.longest_draft`); the draft model stays within K.
 - draft length: the tokens one row drafted this step. max draft (`max_drafts[b]`): the
-  longest draft row b may take this step: K, and one less than its tokens left.
+  longest draft row b may take this step: the longest draft, and one less than its tokens left.
 - limit (`limits[b]`): the most tokens the draft model is asked for row b (0: none).
 - verify width: the positions one row feeds the target in a verify forward: its last
   committed token and its drafts (draft length + 1; a tree: nodes + 1).
@@ -104,7 +106,7 @@ class Engine:
         check_compatible(target, self.proposer)
         # A feature draft (a draft head) is handed the target's hidden states (proposers/base.py).
         self.reads_features = reads_features(self.proposer)
-        self.fixed = FixedPolicy(config.num_draft_tokens, config.tree_max_tokens)
+        self.fixed = FixedPolicy(config.longest_draft, config.tree_max_tokens)
         if policy is None and config.adaptive and draft is not None:
             policy = AdaptivePolicy.for_config(config, cost_book(target, self.proposer.model))
         self.policy = policy or self.fixed
@@ -117,9 +119,9 @@ class Engine:
         # The most positions a row may feed beyond its sequence in one step (its verify width
         # less one): the widest draft (a draft model expanding a tree reads top_k nodes per
         # depth but the last).
-        self.widest_draft = (max(config.num_draft_tokens, config.tree_max_tokens,
+        self.widest_draft = (max(config.longest_draft, config.tree_max_tokens,
                                  (config.num_draft_tokens - 1) * config.tree_top_k)
-                             if self.trees else config.num_draft_tokens)
+                             if self.trees else config.longest_draft)
         self.stats = DecodeStats()
         self.totals = totals
         self.waiting: deque[Row] = deque()

@@ -92,8 +92,9 @@ class Phases:
         return policy
 
     def max_drafts(self, rows: list[Row]) -> list[int]:
-        """Drafts a row could never use are not made: at most K, and one less than it has left."""
-        k = self.engine.config.num_draft_tokens
+        """Drafts a row could never use are not made: at most the longest draft (a lookup match's
+        may reach further than the draft model's K), and one less than it has left."""
+        k = self.engine.config.longest_draft
         return [max(0, min(k, row.left - 1)) for row in rows]
 
     def commit_rows(self, rows: list[Row], tokens: list[list[int]], drafted: list[int], accepted: list[int],
@@ -136,7 +137,8 @@ class ChainPhases(Phases):
                                proposer.unread(sequences) if has_model else 0)
         lookup = [d[:plan.k] if plan.takes_lookup(i, bool(d), p) else None
                   for i, (d, p) in enumerate(zip(lookups, preferred))]
-        limits = [0 if d is not None or not plan.use_model else min(plan.k, most)
+        model_k = engine.config.num_draft_tokens
+        limits = [0 if d is not None or not plan.use_model else min(plan.k, most, model_k)
                   for d, most in zip(lookup, max_drafts)]
         started = engine.clock()
         drafted, draft_seconds = None, 0.0
@@ -209,7 +211,8 @@ class TreePhases(Phases):
         with LEARNING:
             node_budget = policy.plan_tree(len(rows), sources, list(map(len, trees)), max_drafts)
         trees = [t.prefix(node_budget) if taken else Tree([], []) for t, taken in zip(trees, take)]
-        limits = [min(most, node_budget) if source == MODEL else 0 for source, most in zip(sources, max_drafts)]
+        limits = [min(most, node_budget, config.num_draft_tokens) if source == MODEL else 0
+                  for source, most in zip(sources, max_drafts)]
         draft_seconds = 0.0
         if max(limits) > 0:
             proposer.catch_up(sequences)
