@@ -69,8 +69,7 @@ class EngineArgs:
     draft: str | None = None
     # K: the most adaptive K may choose, or the fixed K (None: LOOKUP_K for lookup, else MODEL_K).
     num_draft_tokens: int | None = None
-    # With MODEL+ngram: the longest lookup draft (None: K).
-    lookup_draft_tokens: int | None = None
+    lookup_draft_tokens: int | None = None  # with MODEL+ngram: the longest lookup draft (None: K)
     adaptive: bool = True
     draft_temperature: float = 1.0
     # N-gram sizes of lookup drafting (None: 1 and max(4, ngram_min)).
@@ -169,8 +168,7 @@ class EngineArgs:
             raise ValueError(f"--draft-vocab must be >= 0 (0 = all tokens), got {vocab}")
 
     def check_draft_options(self) -> None:
-        """Refuse options that would do nothing with the chosen draft. Values equal to an
-        option's default count as left out."""
+        """Refuse options that do nothing with the chosen draft (values equal to a default are left out)."""
         unused = []
         if self.draft in NO_MODEL:
             unused += [name for name, used in (("--draft-vocab", bool(self.draft_vocab)),
@@ -187,8 +185,7 @@ class EngineArgs:
                              "with --draft")
         if self.lookup_draft_tokens is not None and not self.draft.endswith("+ngram"):
             raise ValueError(f"--lookup-draft-tokens applies to a draft model with lookup in front (--draft "
-                             f"MODEL+ngram), not to --draft {self.draft}"
-                             + ("; with ngram or suffix, -k is the lookup's K" if self.draft in LOOKUPS else ""))
+                             f"MODEL+ngram), not to --draft {self.draft} (with ngram or suffix, -k is the lookup's K)")
         if self.draft_vocab_corpus != "stdlib" and not self.draft_vocab:
             raise ValueError("--draft-vocab-corpus applies with --draft-vocab N (N > 0), which chooses the tokens "
                              "the draft scores; give both, or neither")
@@ -231,10 +228,9 @@ class EngineArgs:
         draft = args.load_draft()
         built = Built(args, target, tokenizer, draft, None)
         for model, role in built.models():
-            longest = args.num_draft_tokens if role != "target" else max(args.num_draft_tokens,
-                                                                        args.lookup_draft_tokens or 0)
-            check_draft_width(longest, model, role, "--num-draft-tokens (-k)" if longest == args.num_draft_tokens
-                              else "--lookup-draft-tokens")
+            reach = (args.lookup_draft_tokens or 0) if role == "target" else 0  # lookup drafts for the target only
+            check_draft_width(max(reach, args.num_draft_tokens), model, role, "--lookup-draft-tokens"
+                              if reach > args.num_draft_tokens else "--num-draft-tokens (-k)")
         if draft is not None and args.draft not in LOOKUPS:
             built.draft_vocab = args.vocabulary(tokenizer, draft)
         return built
@@ -344,10 +340,8 @@ def add_drafting(group) -> None:
                        "tokens drafted per step: the most adaptive K may choose, or the fixed K with --fixed-k "
                        f"(default: {MODEL_K} for a draft model, {LOOKUP_K} for ngram and suffix)")
     group.add_argument("--lookup-draft-tokens", type=bounded("lookup_draft_tokens"), default=None, help="with "
-                       "--draft MODEL+ngram: the longest draft a lookup match gives. A match drafts for free, so it "
-                       "may reach further than the draft model's K; the adaptive policy verifies what pays. On "
-                       "grounded editing 24 gained 4% with the Qwen pair on a Xeon, and lost 6-10% on code and chat "
-                       "(default: K)")
+                       "MODEL+ngram: the longest draft a lookup match gives, which may pass the model's K (a match "
+                       "drafts for free; docs/drafting.md has what it gained) (default: K)")
     group.add_argument("--fixed-k", action="store_true", help="draft exactly K tokens every step instead of "
                        "choosing K from measured acceptance and costs")
     group.add_argument("--draft-temperature", type=number(0), default=1.0, help="draft temperature when "
