@@ -115,6 +115,17 @@ def test_with_a_draft_model_lookup_drafts_reach_their_own_k_and_the_model_keeps_
         assert asked or adaptive  # (the adaptive policy may leave an always wrong draft out)
 
 
+def test_lookup_trees_reach_their_own_depth_behind_a_model_and_stay_exact():
+    target, draft = tiny("decoder_only", seed=2), tiny("decoder_only", seed=3)
+    prompts = [[5, 6, 7, 8, 9] * 6 + [11, 30, 2], [8, 9] + [5, 6, 7, 8, 9] * 5]
+    for adaptive in (False, True):
+        config = SpeculativeConfig(adaptive=adaptive, num_draft_tokens=2, prompt_lookup=True, lookup_draft_tokens=12,
+                                   tree_top_k=2, tree_max_tokens=16)
+        decoder = SpeculativeDecoder(target, draft, config)
+        assert decoder.generate(prompts, 60) == autoregressive_generate(target, prompts, 60)
+        assert decoder.stats.tokens_per_forward > 3  # lookup trees deeper than the model's K = 2
+
+
 def test_lookup_draft_tokens_needs_prompt_lookup_and_a_bound():
     with pytest.raises(ValueError, match="applies with prompt_lookup=True"):
         SpeculativeConfig(lookup_draft_tokens=8)
