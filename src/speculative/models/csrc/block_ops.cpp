@@ -49,6 +49,25 @@ inline float lane_dot(const float* a, const float* b, int64_t n) {
   return lane[0];
 }
 
+// exp(x) as Cephes' expf computes it (x = n ln 2 + r, a polynomial of degree 6 in r, 2^n from the
+// exponent bits), within 2 ulp; in plain float operations, which the compiler vectorizes without
+// changing a bit. Arguments are clamped to [-87, 88] (NaN to -87): the results stay normal.
+// SwiGLU's gate and attention's softmax use it (libm's expf, one call per score, was a fifth of
+// a long prompt's attention).
+inline float exp_poly(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // x log2(e) rounded (|.| < 2^22)
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.f;
+  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
 // y = x * (1 / sqrt(mean(x^2) + eps)) * w over one row of n.
 inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
   const float inverse = 1.f / std::sqrt(lane_dot(x, x, n) / static_cast<float>(n) + eps);
@@ -95,13 +114,35 @@ inline void attend_one(const float* q, const float* keys, const float* values, c
   float total = 0.f;
   for (int64_t slot = from; slot < to; ++slot)
     if (seen[slot]) {
-      const float p = std::exp(scores[slot] - peak);
+      const float p = exp_poly(scores[slot] - peak);
       total += p;
       const float* v = values + slot * s.D;
       for (int64_t i = 0; i < s.D; ++i) out[i] += p * v[i];
     }
   const float inverse = 1.f / total;
   for (int64_t i = 0; i < s.D; ++i) out[i] *= inverse;
+}
+
+// The largest score among the slots [from, to) that a query sees, as attend_one's loop finds it
+// (a NaN score is passed over; -inf when it sees none): 16 slots at a time, the same value
+// whatever the order, as max is exact.
+__attribute__((target("avx512f"))) inline float seen_peak(const float* row, const bool* seen, int64_t from,
+                                                          int64_t to) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t slot = from;
+  for (; slot + 16 <= to; slot += 16) {
+    const __m512i flags = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(seen + slot)));
+    const __m512 x = _mm512_loadu_ps(row + slot);
+    const __mmask16 above = _mm512_mask_cmp_ps_mask(_mm512_test_epi32_mask(flags, flags), best, x, _CMP_LT_OQ);
+    best = _mm512_mask_mov_ps(best, above, x);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, best);
+  float peak = -std::numeric_limits<float>::infinity();
+  for (float lane : lanes) peak = std::max(peak, lane);
+  for (; slot < to; ++slot)
+    if (seen[slot]) peak = std::max(peak, row[slot]);
+  return peak;
 }
 
 // Up to kQueries queries attending to the same kv head: attend_one's operations for each, so
@@ -156,25 +197,20 @@ __attribute__((target("avx512f"))) void attend_queries_avx512(const float* const
     }
   for (int r = 0; r < R; ++r)
     for (int64_t slot = whole; slot < to; ++slot) scores[r * span + slot] = lane_dot(scaled[r], keys + slot * D, D);
-  // 2. softmax weights, in slot order (scores become exp(score - peak)).
-  float inverse[kQueries];
+  // 2. softmax weights (scores become exp(score - peak)), each query's total in slot order.
+  float inverse[kQueries], total[kQueries] = {};
+  bool sees[kQueries];
   for (int r = 0; r < R; ++r) {
     float* row = scores + r * span;
-    float peak = -std::numeric_limits<float>::infinity();
-    for (int64_t slot = from; slot < to; ++slot)
-      if (seen[r][slot]) peak = std::max(peak, row[slot]);
-    if (peak == -std::numeric_limits<float>::infinity()) {  // sees nothing (a padding token): zeros
-      inverse[r] = 0.f;
-      continue;
-    }
-    float total = 0.f;
-    for (int64_t slot = from; slot < to; ++slot)
-      if (seen[r][slot]) {
-        row[slot] = std::exp(row[slot] - peak);
-        total += row[slot];
-      }
-    inverse[r] = 1.f / total;
+    const float peak = seen_peak(row, seen[r], from, to);
+    sees[r] = peak != -std::numeric_limits<float>::infinity();  // else a padding token: zeros
+    if (sees[r])
+      for (int64_t slot = from; slot < to; ++slot) row[slot] = exp_poly(row[slot] - peak);  // vectorized
   }
+  for (int64_t slot = from; slot < to; ++slot)  // the queries' sums side by side: none waits for another
+    for (int r = 0; r < R; ++r)
+      if (seen[r][slot]) total[r] += scores[r * span + slot];
+  for (int r = 0; r < R; ++r) inverse[r] = sees[r] ? 1.f / total[r] : 0.f;
   // 3. values mixed in slot order, 16 slots at a time for every query.
   alignas(64) float mixed[kQueries][D] = {};
   for (int64_t first = from; first < to; first += 16) {
@@ -253,23 +289,6 @@ __attribute__((target("avx512f"))) void attend_grouped_avx512(const float* rotat
 NORM_ROWS(norm_rows_avx512, __attribute__((target("avx512f"))))
 NORM_ROWS(norm_rows_avx2, __attribute__((target("avx2"))))
 NORM_ROWS(norm_rows_plain, )
-
-// exp(x) as Cephes' expf computes it (x = n ln 2 + r, a polynomial of degree 6 in r, 2^n from the
-// exponent bits), within 2 ulp; in plain float operations, which the compiler vectorizes without
-// changing a bit. Arguments are clamped to [-87, 88] (NaN to -87): the results stay normal.
-inline float exp_poly(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // x log2(e) rounded (|.| < 2^22)
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = (p * (r * r) + r) + 1.f;
-  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 // SwiGLU's gate: y[i] = silu(g[i]) * u[i], silu(g) = g / (1 + exp(-g)), over rows of 2n (g then u).
 #define SILU_MUL_ROWS(NAME, TARGET)                                                                   \

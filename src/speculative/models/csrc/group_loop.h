@@ -26,9 +26,17 @@ void over_groups(int64_t M, int64_t N, int64_t pass, const float* bias, float* y
         const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
         for (int64_t g = first; g < std::min(end, first + kGroupsTogether); ++g) {
           tile(m0, tokens, g, sums);
-          for (int t = 0; t < tokens; ++t)
-            for (int64_t r = 0, n = g * kGroup; r < kGroup && n < N; ++r, ++n)
-              y[(m0 + t) * N + n] = bias ? sums[t * kGroup + r] + bias[n] : sums[t * kGroup + r];
+          // Loops without a branch inside, which the compiler vectorizes (a tenth of a prompt's
+          // products went to this copy element by element).
+          const int64_t n0 = g * kGroup, width = std::min(kGroup, N - n0);
+          for (int t = 0; t < tokens; ++t) {
+            const float* sum = sums + t * kGroup;
+            float* row = y + (m0 + t) * N + n0;
+            if (bias)
+              for (int64_t r = 0; r < width; ++r) row[r] = sum[r] + bias[n0 + r];
+            else
+              std::copy(sum, sum + width, row);
+          }
         }
       }
   });

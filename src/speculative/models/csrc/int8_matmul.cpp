@@ -168,13 +168,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
         tile_for(isa, tokens)(q.data() + m0 * Kp, Kp, wdata + n0 * Kp, sums_of_rows + n0, sums);
-        for (int t = 0; t < tokens; ++t) {
+        const int64_t width = std::min<int64_t>(kGroup, N - n0);
+        for (int t = 0; t < tokens; ++t) {  // branch-free loops, which the compiler vectorizes
           const float xs = xscale[m0 + t];
-          float* row = out + (m0 + t) * N;
-          for (int64_t r = 0; r < kGroup && n0 + r < N; ++r) {
-            const float v = static_cast<float>(sums[t * kGroup + r]) * (xs * wscale[n0 + r]);
-            row[n0 + r] = b ? v + b[n0 + r] : v;
-          }
+          const int32_t* sum = sums + t * kGroup;
+          float* row = out + (m0 + t) * N + n0;
+          if (b)
+            for (int64_t r = 0; r < width; ++r) row[r] = static_cast<float>(sum[r]) * (xs * wscale[n0 + r]) + b[n0 + r];
+          else
+            for (int64_t r = 0; r < width; ++r) row[r] = static_cast<float>(sum[r]) * (xs * wscale[n0 + r]);
         }
       }
     }
