@@ -34,6 +34,7 @@ from lookup_vs_transformers import K, PEER_K, hf_module, prompts_of  # noqa: E40
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder  # noqa: E402
 from speculative.core.rows import SamplingParams  # noqa: E402
+from speculative.models.base import screens_argmax  # noqa: E402
 from speculative.policy.adaptive import AdaptivePolicy  # noqa: E402
 from speculative.runtime.engine import Engine  # noqa: E402
 
@@ -52,8 +53,9 @@ def record(hf, path: Path) -> list[dict]:
 
 
 def cost_table(hf, prompt: list[int]) -> dict[int, float]:
-    """Seconds of a forward by width after the prompt (the fastest of 5)."""
-    state = hf.new_state(1)
+    """Seconds of a forward by width after the prompt (the fastest of 5), scored as the
+    engine scores a greedy row (through the screen where the model has one)."""
+    state, screen = hf.new_state(1), {"argmax_rows": [True]} if screens_argmax(hf) else {}
     with torch.inference_mode():
         hf.forward(torch.tensor([prompt]), state)
         length, table = state.lengths[0], {}
@@ -61,7 +63,7 @@ def cost_table(hf, prompt: list[int]) -> dict[int, float]:
             times = []
             for _ in range(5):
                 start = time.perf_counter()
-                hf.forward(torch.tensor([prompt[:width]]), state)
+                hf.forward(torch.tensor([prompt[:width]]), state, **screen)
                 times.append(time.perf_counter() - start)
                 hf.rollback(state, [length])
             table[width] = min(times)
