@@ -197,6 +197,29 @@ def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept
     assert widths[0] <= late[50] <= widths[1]
 
 
+def test_a_slow_first_forward_does_not_hold_drafting_back():
+    """A process's first forward can cost several later ones (kernels built for a new shape,
+    a lazily built output-layer screen): a width's first timing is left out. Counted, the
+    first step's (a short match, 4x slow), then plain steps where nothing matched, set the
+    line's slope 10x too steep, and the policy drafted one token at a time (for 60 steps,
+    in a real run) where every drafted token is kept and width is nearly free."""
+    from speculative.policy.costs import CostBook
+    from speculative.proposers.base import Proposal
+
+    policy = AdaptivePolicy(max_k=24, book=CostBook(probe=False))
+    drafted = []
+    for step in range(70):
+        policy.prepare(1, lambda: pytest.fail("a probe ran"), fresh=step == 0)
+        first = step == 0  # a short match, wrong: drafting on it has not paid yet
+        match = 7 if first else 0 if step < 8 else 24
+        width = policy.plan(1, [match], [not first], [24], has_model=False).k
+        proposal = Proposal(torch.zeros(1, width, dtype=torch.long), [width], free=[True])
+        seconds = (0.1 + 0.001 * (width + 1)) * (4 if first else 1)
+        policy.observe_step(1, proposal, [0], [0 if first else width], seconds, 0, 0.0, [not first])
+        drafted.append(width)
+    assert sorted(drafted[20:])[25] >= 16, drafted
+
+
 @pytest.mark.parametrize("unread", [500, 10], ids=["a prompt to read", "negative control: caught up"])
 def test_a_draft_model_with_a_prompt_to_read_waits_while_lookup_drafts(unread):
     """A good draft model that has a long prompt to read first (its prefill) neither drafts

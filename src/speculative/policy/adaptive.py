@@ -294,7 +294,7 @@ class AdaptivePolicy:
                       draft_seconds: float, weight: float = 0.1) -> None:
         """Refine the cost model of this batch size from one step's timings."""
         costs = self.costs[batch]
-        costs.add(verify_width, verify_seconds)
+        costs.observe(verify_width, verify_seconds)
         costs.estimated = max(0, costs.estimated - 1)
         costs.steps += 1
         if draft_forwards:

@@ -30,6 +30,8 @@ class Costs:
     # Decayed weight of the one-token timings in v1: 20 moves it 5% per timing; 0 = none
     # yet, v1 a guess (what the cheapest wider forward cost) that the first one replaces.
     v1_weight: float = 20.0
+    # Widths whose first step timing has come (and was left out, `observe`).
+    seen: set[int] = field(default_factory=set)
 
     @classmethod
     def unmeasured(cls) -> "Costs":
@@ -42,6 +44,16 @@ class Costs:
         """Take another's figures in place (every policy holding this object sees them)."""
         self.v1, self.draft, self.sums, self.estimated = other.v1, other.draft, list(other.sums), other.estimated
         self.v1_weight = other.v1_weight
+
+    def observe(self, width: int, seconds: float) -> None:
+        """One step's timing. A width's first is left out: the first forward of a width in
+        a process builds what later ones reuse (kernels for a new shape, a lazily built
+        output-layer screen; Gemma 3 270M's first verify forward took 365 ms, the next 95).
+        Counted, it made the line's slope 10x too steep, and drafting stayed at one token
+        for 60 steps: the widths that would have corrected it were never tried."""
+        if width in self.seen:
+            self.add(width, seconds)
+        self.seen.add(width)
 
     def add(self, width: int, seconds: float, weight: float = 1.0, decay: float = 0.95, robust: bool = True) -> None:
         """One timing; `robust` caps it at twice the current estimate, so that one stall
