@@ -22,9 +22,9 @@ from .cli_checks import integer, number
 log = logging.getLogger("speculative")
 
 LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and lookup plus the engine's suffix cache
-# Default K of drafts without a model: a match proposes up to K and the adaptive policy
-# verifies what pays (measured on grounded editing with Gemma 3 270M, see issue 35).
-LOOKUP_K = 24
+# Default K without a model: a match proposes up to K, the adaptive policy verifies what pays;
+# K + 1 = 16 rows fill an AMX tile, and 15 beat 24 on grounded editing (dev/LOG.md, 2026-12-05).
+LOOKUP_K = 15
 # Default K of a draft model.
 MODEL_K = 4
 # What the drafts without a model draft with, for errors about options that need a model.
