@@ -13,9 +13,10 @@ workload that changes from easy to hard prompts:
   seconds. A draft model's costs come first from probe forwards, measured once per pair
   of models in the process, or estimated from other batch sizes (`costs.CostBook`), then
   from every step. Drafts without a model (lookup) learn them from the steps alone: every
-  step is a target forward of a known width, timed anyway. Until a step is timed every
-  width costs the same (drafting is tried); while recent steps all had one width, the
-  next drafting step takes half of it, so that the line gets a slope; and a model-free
+  step is a target forward of a known width, timed anyway (a width's first, which builds
+  kernels, is left out: `Costs.observe`). Until a step is timed every width costs the
+  same (drafting is tried); while recent steps all had one width, the next drafting step
+  takes half of it, so that the line gets a slope; and a model-free
   policy that has drafted `probe_every` steps without ever timing a one-token forward
   takes one plain step, so that v1 is known where deciding whether to draft at all;
 - acceptance of the draft model as a function of its confidence (its probability for
