@@ -45,8 +45,16 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-KERNEL_VARIANTS = [("compiled", "auto"), ("compiled", "avx2"), ("compiled", "plain"), ("fbgemm", False),
-                   ("fbgemm", True)]
+KERNEL_VARIANTS = [("compiled", "auto"), ("compiled", "amx"), ("compiled", "vnni"), ("compiled", "avx2"),
+                   ("compiled", "plain"), ("fbgemm", False), ("fbgemm", True)]
+
+
+def compiled_isas() -> list[str]:
+    """The compiled kernel's instruction sets that this CPU runs, "auto" last."""
+    ops = compiled_ops()
+    best = ops.int8_isa()
+    return (["plain"] + (["avx2"] if best != "plain" else []) + (["vnni"] if best == "vnni" else [])
+            + (["amx"] if ops.int8_amx() else []) + ["auto"])
 
 
 @pytest.mark.parametrize("kernel, variant", KERNEL_VARIANTS, indirect=["kernel"])
@@ -59,8 +67,8 @@ def test_an_int8_layer_gives_each_row_the_bits_it_gets_alone(kernel, variant, ou
         layer.reduce_range = variant  # 7-bit activations, as on CPUs without VNNI
     else:
         layer.isa = variant  # the instruction set (auto: the best this CPU has)
-        if variant == "avx2" and compiled_ops().int8_isa() == "plain":
-            pytest.skip("this CPU has no AVX2")
+        if variant not in compiled_isas():
+            pytest.skip(f"this CPU has no {variant}")
     reduce_range = variant is True
     x = torch.randn(17, in_features) * torch.rand(17, 1) * 10
     x[:, 0] *= 30  # an outlier channel, as real activations have
@@ -84,8 +92,8 @@ def test_every_instruction_set_of_the_compiled_kernel_gives_the_same_bits(kernel
         pytest.skip("one kernel of fbgemm's per CPU")
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(200, 70, bias=True))
-    x = torch.randn(11, 200) * 5
-    isas = ["plain"] + (["avx2"] if compiled_ops().int8_isa() != "plain" else []) + ["auto"]
+    x = torch.randn(37, 200) * 5  # two passes of 16 rows, then 5; 3 tiles of 64 columns, then 8
+    isas = compiled_isas()
     results = []
     for isa in isas:
         layer.isa = isa

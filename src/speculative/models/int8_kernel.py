@@ -8,7 +8,7 @@ single-threaded routine at every start (150-250 MB/s: 5-7 s for Qwen2.5-Coder 1.
 quantizes a call's whole input with one scale, which `kernels.Int8Linear` has to work around
 with extra operations. This kernel quantizes each row on its own (width-invariant by
 construction), packs weights at 1.5-2 GB/s, reads them in one stream, and gives the same bits
-on AVX512-VNNI, AVX2 and plain C++ (exact int32 sums, then the same float operations).
+on AMX, AVX512-VNNI, AVX2 and plain C++ (exact int32 sums, then the same float operations).
 
 Where it lives: `$SPECULATIVE_KERNEL_CACHE`, else the cache root's `kernels/` folder
 (~/.cache/speculative/kernels), one folder per source, PyTorch and compiler version; delete

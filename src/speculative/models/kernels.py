@@ -125,7 +125,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
         ops = compiled_ops()
         self.kernel = "fbgemm" if ops is None else "compiled"
-        self.isa = "auto"  # the compiled kernel's instruction set: auto (the best here), vnni, avx2, plain
+        self.isa = "auto"  # the compiled kernel's instruction set: auto (the best here), amx, vnni, avx2, plain
         if ops is not None:  # a copy in the kernel's layout (so the weights may be a view of a file)
             self.packed, self.wsum = ops.int8_pack(qweight.to(torch.int8).cpu())
             self.wscale = torch.zeros(len(self.wsum))
