@@ -6,9 +6,10 @@
 
 llama.cpp (llama-cpp-python) runs the Q4_K_M GGUF file itself: plain greedy decoding, and
 with its `LlamaPromptLookupDecoding` (10 tokens drafted from the prompt). Ours runs the
-same file's weights: its own Q4_K/Q6_K blocks (gguf, what `auto` picks on CPUs with VNNI),
-or as the presets make them (dequantized once, then bfloat16 or int8): plain decoding in
-each, and speculative decoding on the int8 and gguf targets. Each
+same file's weights: its own Q4_K/Q6_K blocks (gguf, what `auto` picks for the target on
+CPUs with VNNI but no AMX), or as the presets make them (dequantized once, then bfloat16 or
+int8, what it picks with AMX): plain decoding in each, and speculative decoding on the int8
+and gguf targets. Each
 round goes prompt by prompt, every method in turn (each prompt starting the turn at
 another method), greedy, 128 new tokens or the end of the answer; speeds are medians over
 rounds of same-round ratios to llama.cpp's plain decoding. Two speeds per method:
@@ -29,6 +30,7 @@ import torch
 from speculative import NGramProposer, SpeculativeConfig, load_model
 from speculative.runtime.decoder import SpeculativeDecoder
 from speculative.runtime.engine import Engine
+from speculative.models.kquant import int8_on_tiles
 from speculative.models.loading import load_draft
 from speculative.core.rows import SamplingParams
 
@@ -146,9 +148,13 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
                 target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
     kquant = load_model("qwen2.5-coder-1.5b", dtype="gguf")  # the file's own Q4_K / Q6_K blocks
     gguf_draft = load_draft("qwen2.5-coder-0.5b", dtype="gguf")  # its file's Q5_0 / Q8_0 / k-quant blocks
+    vocab = default_vocab(target.tokenizer)
+    on_tiles = int8_on_tiles()  # where `auto` takes int8 for the target, not the blocks (kquant.auto_reason)
     ours.update({"ours gguf plain": engine_method(kquant),
-                 "ours gguf + lookup + 0.5B gguf draft, 32k vocab (default)": engine_method(
-                     kquant, gguf_draft, DEFAULT, default_vocab(target.tokenizer))})
+                 f"ours gguf + lookup + 0.5B gguf draft, 32k vocab{'' if on_tiles else ' (default)'}": engine_method(
+                     kquant, gguf_draft, DEFAULT, vocab),
+                 f"ours int8 + lookup + 0.5B gguf draft, 32k vocab{' (default)' if on_tiles else ''}": engine_method(
+                     target, gguf_draft, DEFAULT, vocab)})
     compare(save_per_machine, "llama-cpp", "Against llama.cpp: Qwen2.5-Coder 1.5B Instruct, Q4_K_M GGUF", gguf,
             "qwen2.5-coder-1.5b", target, ours, workloads(target.tokenizer), runs, log)
 

@@ -286,7 +286,7 @@ AVX2 = frozenset({"avx2", "fma"})
     (VNNI, 15_000_000, False, "too small for 16 bits to pay"),
     (VNNI, 268_000_000, True, "auto: int8"),  # Gemma 3 270M: smoothed, within 1% of bfloat16's perplexity
     (VNNI, 60_000_000, False, "too small for 16 bits to pay"),
-    (AMX, 1_500_000_000, True, "auto: int8"),  # AMX's bfloat16 read twice the bytes: slower
+    (AMX, 1_500_000_000, True, "(VNNI and AMX tiles)"),  # AMX's bfloat16 read twice the bytes: slower
     (AMX, 60_000_000, False, "too small for 16 bits to pay"),
     (AVX2, 1_500_000_000, False, "auto: float32"),
 ])

@@ -402,6 +402,7 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
     share_of = kquant.kquant_share
     monkeypatch.setattr(presets, "source_gguf", lambda path: root / "model.gguf" if path == root else None)
     monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
+    monkeypatch.setattr(kquant, "int8_on_tiles", lambda: False)  # a CPU without AMX
     for vnni, share, blocks in ((True, None, True), (False, None, False), (True, 0.4, False)):
         monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
         if share is not None:  # a file with less than half its layers' weights in Q4_K or Q6_K
@@ -415,15 +416,18 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
     assert isinstance(load_model(root, dtype="auto").layers[1].mlp.down_proj, KQuantLinear)
     trainable = load_model(root, dtype="auto", pack=False)  # to save, export or train with: never the blocks
     assert isinstance(trainable.layers[1].mlp.down_proj, Int8Linear)
+    monkeypatch.setattr(kquant, "int8_on_tiles", lambda: True)  # int8 on AMX tiles: a target takes int8
+    assert isinstance(load_model(root, dtype="auto").layers[1].mlp.down_proj, Int8Linear)
 
 
 def test_auto_runs_a_draft_on_its_32_column_blocks_where_a_target_would_take_int8(tmp_path, ops, monkeypatch):
     """A file mostly in Q5_0 and Q8_0 (the 0.5B draft's): auto runs it on its blocks as a draft,
     whose forward is bound by the bytes it reads, on a CPU where it would pick int8; a target
     needs half of its weights in k-quants."""
-    from speculative.models import loading, precision, presets
+    from speculative.models import kquant, loading, precision, presets
 
     root = write_model(tmp_path, vocab=64, seed=4, q32=True)
+    monkeypatch.setattr(kquant, "int8_on_tiles", lambda: True)  # on AMX too, a draft keeps its blocks
     monkeypatch.setattr(presets, "source_gguf", lambda path: root / "model.gguf" if path == root else None)
     monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
     monkeypatch.setattr(loading, "SMALL_MODEL", 0)

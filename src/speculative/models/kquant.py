@@ -210,20 +210,30 @@ def kquant_share(gguf: Path, kinds=K_QUANTS) -> float:
     return kernel / total if total else 0.0
 
 
+def int8_on_tiles() -> bool:
+    """Whether int8 products run on AMX tiles here (csrc/amx.h). The k-quant blocks have no
+    AMX path (one tried was slower than VNNI: dev/LOG.md, 2026-12-05)."""
+    ops = compiled_ops()
+    return ops is not None and bool(ops.int8_amx())
+
+
 def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | None:
     """Why `auto` runs a model directory of `weights` matrix weights on the blocks of the GGUF
     file it was made from, or None where it does not: only on a CPU with VNNI (where
     `auto` picks int8). A target (INT8_MIN_WEIGHTS or more; a draft's size is load_draft's)
     needs half of its layers' weights in Q4_K or Q6_K: there the file's own blocks decode
     faster than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the
-    int8 model is quantized again from their float copy. A `draft` needs half in any type the
-    kernels run (Q5_0 and Q8_0 too): its forward is bound by the bytes it reads, and Q5_0
-    reads 5.5 bits a weight where int8 reads 8 (the 0.5B draft, full vocabulary: 16.9 ms a
-    token against 19.8-23.7)."""
+    int8 model is quantized again from their float copy. Not where int8 runs on AMX tiles:
+    there a target's int8 forward of 16 tokens costs 1.3 one-token forwards (the blocks' 2.4),
+    and it reads prompts faster; with the Qwen pair's default drafting, on a Xeon, int8 ran
+    grounded editing 1.36x as fast as the blocks, code completion 0.96x, chat 0.88x
+    (BENCHMARKS.md). A `draft` needs half in any type the kernels run (Q5_0 and Q8_0 too):
+    its forward is bound by the bytes it reads, and Q5_0 reads 5.5 bits a weight where int8
+    reads 8 (the 0.5B draft, full vocabulary: 16.9 ms a token against 19.8-23.7)."""
     from . import presets, precision
 
     if (torch.device(device).type != "cpu" or not precision.cpu_has_int8() or not path.is_dir()
-            or not draft and weights < precision.INT8_MIN_WEIGHTS):
+            or not draft and (weights < precision.INT8_MIN_WEIGHTS or int8_on_tiles())):
         return None
     gguf = presets.source_gguf(path)
     if gguf is None or kquant_share(gguf, KERNEL_TYPES if draft else K_QUANTS) < 0.5 or compiled_ops() is None:

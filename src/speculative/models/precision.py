@@ -15,7 +15,8 @@ on an Intel Xeon with AMX a one-token forward took 108 ms in int8 against 312 ms
 bfloat16 on its matrix units (Qwen 1.5B), 26 against 42 ms (Gemma 3 270M). Without VNNI
 (AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here, so
 `auto` does not pick it there. Where it would pick int8 for a preset made from a GGUF file
-that is mostly Q4_K/Q6_K, `load_model` runs the file's own blocks instead (`kquant.auto_reason`).
+that is mostly Q4_K/Q6_K, `load_model` runs the file's own blocks instead, unless int8 runs
+on AMX tiles, which verify wide drafts and read prompts faster (`kquant.auto_reason`).
 
 On CPUs, bfloat16 pays where the CPU multiplies it natively (AVX512-BF16 or AMX on x86,
 the BF16 extension on Arm) and its linear layers are prepacked for oneDNN (kernels.py): a
@@ -93,8 +94,9 @@ def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = Non
     if (dtype == "auto" and device.type == "cpu" and int8_runs and cpu_has_int8(features)
             and (weights is None or weights >= INT8_MIN_WEIGHTS)):
         machine = platform.machine() or "this CPU"
+        units = "VNNI and AMX tiles" if "amx_int8" in (cpu_features() if features is None else features) else "VNNI"
         return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers natively "
-                                     "(VNNI): a forward reads half of bfloat16's bytes, and verifying a "
+                                     f"({units}): a forward reads half of bfloat16's bytes, and verifying a "
                                      "few tokens costs about one")
     return (False, *resolve_dtype(dtype, device, features, weights))
 

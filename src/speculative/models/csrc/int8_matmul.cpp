@@ -13,11 +13,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "isa.h"
 #include "quantize.h"
 
@@ -118,55 +116,23 @@ void tile_plain(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, in
     }
 }
 
-// AMX (Xeons from Sapphire Rapids on): a tile instruction multiplies up to 16 rows of 64 int8
-// activations by 64 columns of a group's 16 weight rows into 16 x 16 exact int32 sums. The
-// packed layout (K/4, 16, 4) of a group is AMX's layout of that operand, so 64 columns of it are
-// 1 KB in order. Signed times signed: no offset. Exact sums, so the same bits as on VNNI. "auto"
-// takes it where the CPU has it: one row costs what it costs on VNNI, 16 rows little more (on
-// VNNI, Qwen 1.5B's layers and Gemma 3's output layer cost 1.3-3.3x at 16 rows what they do at 1).
-// Tiles: 0-2 a full pass of 16 rows (sums, activations, weights), 3-4 the last pass of fewer
-// rows, 5-7 the columns past the last whole 64 (full pass, weights, last pass).
-
-// AMX's intrinsics came with GCC 11 and clang 12; older compilers build the rest without it.
-#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
-#define SPECULATIVE_AMX 1
-#else
-#define SPECULATIVE_AMX 0
-#endif
-
-bool amx_usable() {
-  static const bool usable = [] {
-    if (!SPECULATIVE_AMX) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;  // Linux lends tiles on request
-  }();
-  return usable;
+// AMX (amx.h): the packed layout (K/4, 16, 4) of a group is the layout of a tile's 4-byte
+// column groups, so 64 columns of it are 1 KB in order. Signed times signed: no offset. Exact
+// sums, so the same bits as on VNNI. "auto" takes it where the CPU has it: one row costs what it
+// costs on VNNI, 16 rows little more (on VNNI, Qwen 1.5B's layers and Gemma 3's output layer
+// cost 1.3-3.3x at 16 rows what they do at 1). Tiles: 0-2 a full pass of 16 rows (sums,
+// activations, weights), 3-4 the last pass of fewer rows, 5-7 the columns past the last whole
+// 64 (full pass, weights, last pass).
+void amx_configure(int64_t M, int64_t Kp) {
+  speculative::TileShapes shapes;
+  const int64_t full = M >= kTokens ? kTokens : 0, last = M % kTokens, rest = Kp % 64;
+  shapes.set(0, full, 64), shapes.set(1, full, 64), shapes.set(2, 16, 64);
+  shapes.set(3, last, 64), shapes.set(4, last, 64);
+  shapes.set(5, full, rest), shapes.set(6, rest / 4, 64), shapes.set(7, last, rest);
+  speculative::amx_load(shapes);
 }
 
 #if SPECULATIVE_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes[16] = {};  // per tile, bytes of a row
-  uint8_t rows[16] = {};
-};
-
-__attribute__((target("amx-tile"))) void amx_configure(int64_t M, int64_t Kp) {
-  TileConfig config;
-  const int last = static_cast<int>(M % kTokens), tail = static_cast<int>(Kp % 64);
-  const auto tile = [&](int t, int rows, int bytes) {
-    if (rows > 0 && bytes > 0) config.rows[t] = static_cast<uint8_t>(rows), config.bytes[t] = static_cast<uint16_t>(bytes);
-  };
-  tile(0, M >= kTokens ? kTokens : 0, 64), tile(1, M >= kTokens ? kTokens : 0, 64), tile(2, 16, 64);
-  tile(3, last, 64), tile(4, last, 64);
-  tile(5, M >= kTokens ? kTokens : 0, tail), tile(6, tail / 4, 64), tile(7, last, tail);
-  asm volatile("" : : "r"(&config) : "memory");  // the intrinsic tells the compiler it reads 8 bytes only
-  _tile_loadconfig(&config);
-}
-
-__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
-
 // sums (rows, 16) of one pass: q's rows (stride Kp) against one group w (K/4, 16, 4); `whole`
 // columns by tiles of 64, then the rest. Tile numbers are literals in AMX's instructions.
 #define AMX_PASS(NAME, SUMS, ROWS, ROWS_REST)                                                          \
@@ -189,8 +155,6 @@ AMX_PASS(amx_pass_full, 0, 1, 5)
 AMX_PASS(amx_pass_last, 3, 4, 7)
 #undef AMX_PASS
 #else
-void amx_configure(int64_t, int64_t) {}
-void amx_release() {}
 void amx_pass_full(const int8_t*, int64_t, int64_t, const int8_t*, int32_t*) {}
 void amx_pass_last(const int8_t*, int64_t, int64_t, const int8_t*, int32_t*) {}
 #endif
@@ -225,8 +189,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(Np % kGroup == 0 && scale.numel() == Np && wsum.numel() == Np, "int8_linear: bad padding");
   const at::Tensor flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
-  TORCH_CHECK(isa_name != "amx" || amx_usable(), "int8_linear: this CPU has no AMX-INT8 (or Linux does not lend it)");
-  const bool amx = isa_name == "amx" || isa_name == "auto" && amx_usable();
+  TORCH_CHECK(isa_name != "amx" || speculative::amx_usable(),
+              "int8_linear: this CPU has no AMX-INT8 (or Linux does not lend it)");
+  const bool amx = isa_name == "amx" || isa_name == "auto" && speculative::amx_usable();
   const Isa isa = amx ? speculative::best_isa() : speculative::isa_named(isa_name, "int8_linear");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
@@ -251,7 +216,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
         if (amx)
-          (tokens == kTokens ? amx_pass_full : amx_pass_last)(q.data() + m0 * Kp, Kp, Kp / 64 * 64, wdata + n0 * Kp, sums);
+          (tokens == kTokens ? amx_pass_full : amx_pass_last)(q.data() + m0 * Kp, Kp, Kp / 64 * 64, wdata + n0 * Kp,
+                                                              sums);
         else
           tile_for(isa, tokens)(q.data() + m0 * Kp, Kp, wdata + n0 * Kp, sums_of_rows + n0, sums);
         const int64_t width = std::min<int64_t>(kGroup, N - n0);
@@ -266,7 +232,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         }
       }
     }
-    if (amx) amx_release();
+    if (amx) speculative::amx_release();
   });
   return y;
 }
@@ -306,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
 
 std::string int8_isa() { return speculative::isa_name(speculative::best_isa()); }
 
-bool int8_amx() { return amx_usable(); }
+bool int8_amx() { return speculative::amx_usable(); }
 
 TORCH_LIBRARY(speculative_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor wsum, Tensor? bias, int n, str isa) -> Tensor",
