@@ -1,6 +1,7 @@
 // AMX (Xeons from Sapphire Rapids on): tile registers of up to 16 rows of 64 bytes, and an
 // instruction that multiplies a tile of int8 rows by a tile of 4-byte column groups into
-// exact int32 sums (int8_matmul.cpp, kquant_matmul.cpp). Linux lends the tiles to a process
+// exact int32 sums (int8_matmul.cpp; the k-quant blocks have no AMX path, dev/LOG.md, as one
+// was slower than VNNI). Linux lends the tiles to a process
 // that asks for them; the intrinsics came with GCC 11 and clang 12, and older compilers build
 // the kernels without them.
 #pragma once
