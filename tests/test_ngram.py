@@ -15,12 +15,19 @@ def propose(proposer, seq, k=10):
     return out.tokens[0, :out.lengths[0]].tolist()
 
 
-def test_longest_match_wins_and_most_recent_occurrence_is_used():
+def test_longest_match_wins_and_the_occurrence_with_the_longest_agreeing_context_is_used():
     seq = [1, 2, 3, 9, 9, 5, 2, 3, 7, 7, 1, 2, 3]
     # "1 2 3" occurs at the start; "2 3" occurs later (followed by 7 7) but is shorter.
     assert propose(NGramProposer(max_ngram=3, num_draft_tokens=3), seq, 3) == [9, 9, 5]
-    # With bigrams only, the most recent earlier "2 3" wins.
-    assert propose(NGramProposer(max_ngram=2, min_ngram=2, num_draft_tokens=2), seq, 2) == [7, 7]
+    # With bigrams only, both "2 3" match; the first is preceded by 1, as the row's is.
+    assert propose(NGramProposer(max_ngram=2, min_ngram=2, num_draft_tokens=2), seq, 2) == [9, 9]
+    # Equal context: the most recent occurrence.
+    tie = [8, 1, 2, 3, 4, 8, 1, 2, 5, 6, 0, 1, 2]
+    assert propose(NGramProposer(max_ngram=2, num_draft_tokens=2), tie, 2) == [5, 6]
+    # Context decides beyond max_ngram: "0 1 2" three and four tokens back.
+    far = [7, 0, 1, 2, 3, 4, 6, 0, 1, 2, 5, 5, 7, 0, 1, 2]
+    assert propose(NGramProposer(max_ngram=2, num_draft_tokens=2), far, 2) == [3, 4]
+    assert propose(NGramProposer(max_ngram=4, num_draft_tokens=2), far, 2) == [3, 4]
 
 
 def test_a_match_proposes_its_whole_continuation_up_to_k():

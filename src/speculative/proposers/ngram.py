@@ -20,54 +20,60 @@ MAX_BRANCHES = 64
 # shorter ones, and the adaptive policy learns their acceptance apart (a one-token match
 # is right far less often).
 STRONG_MATCH = 2
+# Tokens of context compared to choose among the matches of a max_ngram suffix: 16 drafted
+# as well as 64 on a grounded-editing replay (Gemma 3 270M), 8 slightly worse.
+CONTEXT = 16
 
 
 class _RowIndex:
-    """For one row: where each n-gram (min..max tokens) last ended, positions < `indexed`."""
+    """For one row: where each n-gram (min..max tokens) ended, every time, oldest first
+    (positions before `indexed`)."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
-        self.last_end: dict[tuple[int, ...], int] = {}
+        self.ends: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0
-        # For trees (built on first use): where each n-gram ended, every time, oldest first.
-        self.all_ends: dict[tuple[int, ...], list[int]] = {}
-        self.all_indexed = 0
-
-    def update(self, seq: list[int], upto: int) -> None:
-        """Index every n-gram that ends at a position in [indexed, upto)."""
-        for end in range(max(self.indexed, 1), upto):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.last_end[tuple(seq[end - n:end])] = end
-        self.indexed = max(self.indexed, upto)
 
     def occurrences(self, seq: list[int]) -> tuple[list[int], int]:
         """(ends of every earlier match of the longest suffix that has one, most recent
         first, at most MAX_BRANCHES; its length n) or ([], 0)."""
-        for end in range(max(self.all_indexed, 1), len(seq)):
+        for end in range(max(self.indexed, 1), len(seq)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.all_ends.setdefault(tuple(seq[end - n:end]), []).append(end)
-        self.all_indexed = max(self.all_indexed, len(seq))
+                self.ends.setdefault(tuple(seq[end - n:end]), []).append(end)
+        self.indexed = max(self.indexed, len(seq))
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            ends = self.all_ends.get(tuple(seq[len(seq) - n:]))
+            ends = self.ends.get(tuple(seq[len(seq) - n:]))
             if ends:
                 return ends[:-MAX_BRANCHES - 1:-1], n
         return [], 0
 
     def lookup(self, seq: list[int]) -> tuple[int, int]:
-        """(end of the most recent earlier match of the longest suffix, its length n) or (-1, 0)."""
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            end = self.last_end.get(tuple(seq[len(seq) - n:]))
-            if end is not None:
-                return end, n
-        return -1, 0
+        """(end of the earlier match of the longest suffix whose preceding tokens agree
+        longest with the row's, up to CONTEXT; the most recent among equals; its length n)
+        or (-1, 0). Past max_n tokens, this tells apart the places a line was copied from."""
+        ends, n = self.occurrences(seq)
+        if not ends or n < self.max_n:
+            return (ends[0] if ends else -1), n  # a shorter suffix: no match agrees further back
+        return max(ends, key=lambda end: agreement(seq, end)), n
+
+
+def agreement(seq: list[int], end: int) -> int:
+    """How many tokens before `end` equal the last ones of `seq`, up to CONTEXT."""
+    length = 0
+    while length < CONTEXT and length < end and seq[end - 1 - length] == seq[-1 - length]:
+        length += 1
+    return length
 
 
 class NGramProposer:
     """Drafts by looking up the last n tokens (n from max_ngram down to min_ngram) in the
-    row's own prompt and output, and proposing the tokens that followed the most recent
-    earlier occurrence.
+    row's own prompt and output, and proposing the tokens that followed an earlier
+    occurrence: the one whose preceding tokens agree longest with the row's (up to
+    CONTEXT), the most recent among equals.
 
-    Unlike a fixed n, trying the longest n first finds the most specific match. A match
+    Unlike a fixed n, trying the longest n first finds the most specific match (and the
+    context picks among a max_ngram suffix's matches: 3.5% less replayed time on
+    grounded editing than the most recent one). A match
     proposes its whole continuation, up to num_draft_tokens: how much of it to verify is
     the adaptive policy's choice, from the acceptance it measured for matches this long
     (`preferred`: at least STRONG_MATCH tokens, or shorter) and the cost of verify width.
@@ -113,7 +119,6 @@ class NGramProposer:
         drafts, matched = [], []
         for index, seq, limit in zip(self.rows, sequences, limits):
             k = min(limit, self.num_draft_tokens)
-            index.update(seq, len(seq))
             # Indexed n-grams end before len(seq): the suffix never matches itself.
             end, n = index.lookup(seq)
             if end < 0 or k <= 0:
