@@ -338,13 +338,26 @@ def test_the_cache_stays_bounded_and_evicts_the_oldest():
     gen = torch.Generator().manual_seed(0)
     first = [100, 101, 102, 103]
     cache.add(first)
-    assert cache.continuations((100, 101), 2) == [[102, 103]]
+    assert [seq[end:end + 2] for seq, end in cache.occurrences((100, 101))] == [[102, 103]]
     for _ in range(200):
         cache.add(torch.randint(0, 50, (30,), generator=gen).tolist())
         assert cache.tokens <= 100 and cache.entries <= 2 * 3 * 100 + 3 * 30
     assert len(cache.sequences) <= 4
-    assert cache.continuations((100, 101), 2) == []  # evicted with its sequence
+    assert cache.occurrences((100, 101)) == []  # evicted with its sequence
     assert sum(map(len, cache.index.values())) == cache.entries
+
+
+def test_suffix_chains_follow_the_longest_agreeing_context_else_the_most_frequent_branch():
+    proposer = SuffixProposer(max_ngram=2, num_draft_tokens=2)
+    proposer.cache.add([7, 0, 1, 2, 3, 4])
+    row = [6, 0, 1, 2, 5, 5, 9, 7, 0, 1, 2]  # "1 2" after "0" in the row; after "7 0" in the cache
+    proposer.add_rows([row])
+    assert proposer.free_drafts([row], [2]) == ([[3, 4]], [True])
+    # Every match agrees as far (only "1 2"): the most frequent branch, not the most recent.
+    proposer = SuffixProposer(max_ngram=2, num_draft_tokens=2)
+    row = [3, 1, 2, 8, 4, 1, 2, 8, 5, 1, 2, 9, 6, 1, 2]
+    proposer.add_rows([row])
+    assert proposer.free_drafts([row], [2]) == ([[8, 5]], [True])
 
 
 def test_suffix_trees_are_greedy_exact_in_ragged_batches():

@@ -57,10 +57,12 @@ class _RowIndex:
         return max(ends, key=lambda end: agreement(seq, end)), n
 
 
-def agreement(seq: list[int], end: int) -> int:
-    """How many tokens before `end` equal the last ones of `seq`, up to CONTEXT."""
+def agreement(seq: list[int], end: int, source: list[int] | None = None) -> int:
+    """How many tokens before `end` in `source` (default: `seq` itself) equal the last ones
+    of `seq`, up to CONTEXT."""
+    source = seq if source is None else source
     length = 0
-    while length < CONTEXT and length < end and seq[end - 1 - length] == seq[-1 - length]:
+    while length < min(CONTEXT, end, len(seq)) and source[end - 1 - length] == seq[-1 - length]:
         length += 1
     return length
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from ..models.base import pad
 from ..core.tree import Tree, from_branches
 from .base import Proposal
-from .ngram import MAX_BRANCHES, NGramProposer
+from .ngram import MAX_BRANCHES, NGramProposer, agreement
 
 
 class SuffixCache:
@@ -57,13 +57,13 @@ class SuffixCache:
         for key, seq in self.sequences.items():
             self._index(key, seq)
 
-    def continuations(self, suffix: tuple[int, ...], depth: int) -> list[list[int]]:
-        """What followed `suffix` in cached sequences, most recent first (at most MAX_BRANCHES)."""
+    def occurrences(self, suffix: tuple[int, ...]) -> list[tuple[list[int], int]]:
+        """(cached sequence, end) of every match of `suffix`, most recent first (at most MAX_BRANCHES)."""
         found = []
         for key, end in reversed(self.index.get(suffix, ())):
             seq = self.sequences.get(key)
             if seq is not None:
-                found.append(seq[end:end + depth])
+                found.append((seq, end))
                 if len(found) == MAX_BRANCHES:
                     break
         return found
@@ -101,27 +101,45 @@ class SuffixProposer:
 
     def free_trees(self, sequences, limits, top_k: int, max_nodes: int) -> tuple[list[Tree], list[bool]]:
         self.seen = list(sequences)
-        ngram, trees = self.ngram, []
-        for index, seq, limit in zip(ngram.rows, sequences, limits):
-            k = min(limit, ngram.num_draft_tokens)
-            branches, n, depth = [], 0, 0
-            if k > 0:
-                ends, n = index.occurrences(seq)
-                for size in range(min(ngram.max_ngram, len(seq)), max(n, ngram.min_ngram - 1), -1):
-                    if self.cache.index.get(tuple(seq[len(seq) - size:])):
-                        n, ends = size, [e for e in ends if e >= size and seq[e - size:e] == seq[-size:]]
-                        break
-                depth = k  # the whole continuation, as a chain draft (ngram.py)
-                branches = ngram.continuations(seq, ends, depth)
-                if n:
-                    branches += self.cache.continuations(tuple(seq[len(seq) - n:]), depth)
-            trees.append(from_branches(branches, top_k, max_nodes, depth))
+        trees = []
+        for index, seq, limit in zip(self.ngram.rows, sequences, limits):
+            k = min(limit, self.ngram.num_draft_tokens)  # as deep as a chain draft (ngram.py)
+            found = self.found(index, seq) if k > 0 else []
+            trees.append(from_branches([source[end:end + k] for source, end in found], top_k, max_nodes, k))
         return trees, [True] * len(sequences)
 
     def free_drafts(self, sequences, limits) -> tuple[list[list[int]], list[bool]]:
-        """Chains: the most frequent branch."""
-        trees, preferred = self.free_trees(sequences, limits, 1, max(limits, default=0))
-        return [t.tokens for t in trees], preferred
+        """Chains: what followed the match whose preceding tokens agree longest with the
+        row's (NGramProposer's rule, over the row and the cache), where the matches differ
+        in that; otherwise the most frequent branch."""
+        self.seen = list(sequences)
+        drafts = []
+        for index, seq, limit in zip(self.ngram.rows, sequences, limits):
+            k = min(limit, self.ngram.num_draft_tokens)
+            found = self.found(index, seq) if k > 0 else []
+            context = [agreement(seq, end, source) for source, end in found]
+            if context and max(context) > min(context):
+                # Ties: the longer continuation (the row's own may run into its end), then the first.
+                best = max(range(len(found)), key=lambda i: (context[i], min(k, len(found[i][0]) - found[i][1]), -i))
+                source, end = found[best]
+                drafts.append(source[end:end + k])
+            else:
+                drafts.append(from_branches([source[end:end + k] for source, end in found], 1, k, k).tokens)
+        return drafts, [True] * len(sequences)
+
+    def found(self, index, seq: list[int]) -> list[tuple[list[int], int]]:
+        """(sequence, end) of every earlier match of the row's longest suffix found in the row
+        or the cache (up to max_ngram tokens): the row's own, most recent first, then the
+        cache's, most recent first."""
+        ngram = self.ngram
+        ends, n = index.occurrences(seq)
+        for size in range(min(ngram.max_ngram, len(seq)), max(n, ngram.min_ngram - 1), -1):
+            if self.cache.index.get(tuple(seq[len(seq) - size:])):
+                n, ends = size, [e for e in ends if e >= size and seq[e - size:e] == seq[-size:]]
+                break
+        if not n:
+            return []
+        return [(seq, end) for end in ends] + self.cache.occurrences(tuple(seq[len(seq) - n:]))
 
     def unread(self, sequences) -> int:
         return 0  # no model
