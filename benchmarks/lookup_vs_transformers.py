@@ -12,8 +12,12 @@ transformers' are taken only over prompts where both texts are identical, and th
 out are named. Rounds interleave every method prompt by prompt, each round starting at the
 next method; figures are medians over rounds.
 
-The first-against-tenth check runs one fresh process per method: the same prompt ten times
-through one decoder, each request's seconds per token.
+Speed ratios are also given paired: the median, over rounds and prompts, of the two methods'
+seconds timed back to back (the machine's speed drifts within minutes).
+
+The first-against-tenth check pairs a fresh process's first request with the tenth or a later
+request of a process that has served the same prompt before, timed back to back (five pairs
+by default); its ratio is the median over the pairs.
 """
 
 from __future__ import annotations
@@ -101,17 +105,56 @@ def compare(dtype: str, prompts: list[list[int]], max_new: int = 128, runs: int 
     ours = f"ours lookup, adaptive K<={K} (transformers module)"
     peer = f"transformers prompt lookup ({PEER_K})"
     both = [i for i in range(len(prompts)) if texts[ours][i] == texts[peer][i]]
+    native = f"ours lookup, adaptive K<={K} (native module)"
     report["ours_over_transformers"] = {
         "prompts_compared": both,
         "x": round(sum(medians[peer][i] for i in both) / sum(medians[ours][i] for i in both), 2) if both else None,
-        "native_x": round(sum(medians[peer][i] for i in both)
-                          / sum(medians[f"ours lookup, adaptive K<={K} (native module)"][i] for i in both), 2)
-        if both else None}
+        "native_x": round(sum(medians[peer][i] for i in both) / sum(medians[native][i] for i in both), 2)
+        if both else None,
+        "x_paired": paired_ratio(seconds[peer], seconds[ours], both),
+        "native_x_paired": paired_ratio(seconds[peer], seconds[native], both)}
     return report
 
 
-def first_against_tenth(dtype: str, method: str, prompt_index: int = 0, repeats: int = 10) -> dict:
-    """Seconds per token of the 1st to `repeats`th request of one process (run in a fresh one)."""
+def paired_ratio(peer: list[list[float]], ours: list[list[float]], prompts: list[int]) -> float | None:
+    """The median over rounds and prompts of peer seconds / ours, each pair timed back to back:
+    the machine's speed drifts by a third within minutes here, and a pair shares its moment."""
+    ratios = [p / o for i in prompts for p, o in zip(peer[i], ours[i])]
+    return round(statistics.median(ratios), 2) if ratios else None
+
+
+def first_against_tenth(dtype: str, method: str, processes: int = 5, prompt_index: int = 0,
+                        repeats: int = 10) -> dict:
+    """A fresh process's first request against this process's `repeats`th and later ones,
+    in pairs timed back to back (the machine's speed drifts by a third within minutes, so
+    processes run one after another would compare different moments): this process serves
+    `repeats` - 1 requests, then `processes` times a fresh process serves its first and this
+    one its next. Ratios are medians over the pairs."""
+    target = load_model("gemma-3-270m", dtype=dtype)
+    ids = prompts_of(target.tokenizer)[prompt_index]
+    if method == "plain":
+        def run():
+            return autoregressive_generate(target, ids, 128)
+    else:
+        decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=K), SpeculativeConfig(num_draft_tokens=K))
+
+        def run():
+            return decoder.generate(ids, 128)
+    for _ in range(repeats - 1):
+        run()
+    pairs = []
+    for number in range(processes):  # which of the pair runs first alternates
+        warm = timed(lambda *_: run(), ids, 128)[1] if number % 2 else None
+        first = one_process(dtype, method, prompt_index, 1)[0]
+        pairs.append((first, warm or timed(lambda *_: run(), ids, 128)[1]))
+    ratios = [first / warm for first, warm in pairs]
+    return {"dtype": dtype, "method": method, "processes": processes,
+            "seconds_first_and_warm": [[round(x, 3) for x in pair] for pair in pairs],
+            "first_over_warm": round(statistics.median(ratios), 3), "per_pair": [round(r, 3) for r in ratios]}
+
+
+def one_process(dtype: str, method: str, prompt_index: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` requests (the same prompt) in a fresh process."""
     script = f"""
 import json, sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -130,10 +173,7 @@ for _ in range({repeats}):
 print(json.dumps(seconds))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    seconds = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"dtype": dtype, "method": method, "seconds": [round(s, 3) for s in seconds],
-            "first_over_tenth": round(seconds[0] / seconds[-1], 3),
-            "first_over_median_of_rest": round(seconds[0] / statistics.median(seconds[1:]), 3)}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def prompts_of(tokenizer) -> list[list[int]]:
@@ -142,7 +182,7 @@ def prompts_of(tokenizer) -> list[list[int]]:
 
 
 def section(save_per_machine, runs: int = 2) -> None:
-    """Both dtypes, then the first-against-tenth check (about 20 minutes on 2 cores)."""
+    """Both dtypes, then the first-against-tenth check (about 25 minutes on 2 cores)."""
     tokenizer = load_model("gemma-3-270m", dtype="float32").tokenizer
     prompts = prompts_of(tokenizer)
     entry = {"compare": [compare(dtype, prompts, runs=runs) for dtype in ("float32", "bfloat16")],
@@ -158,4 +198,4 @@ if __name__ == "__main__":
         print(json.dumps(compare(sys.argv[2], prompts_of(tokenizer)[:count], runs=int(sys.argv[4]) if len(sys.argv) > 4
                                  else 3)))
     else:
-        print(json.dumps(first_against_tenth(sys.argv[2], sys.argv[3])))
+        print(json.dumps(first_against_tenth(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))))
