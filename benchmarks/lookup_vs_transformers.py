@@ -140,13 +140,18 @@ def first_against_tenth(dtype: str, method: str, processes: int = 5, prompt_inde
 
         def run():
             return decoder.generate(ids, 128)
+    def warm_seconds() -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+
     for _ in range(repeats - 1):
         run()
     pairs = []
     for number in range(processes):  # which of the pair runs first alternates
-        warm = timed(lambda *_: run(), ids, 128)[1] if number % 2 else None
+        warm = warm_seconds() if number % 2 else None
         first = one_process(dtype, method, prompt_index, 1)[0]
-        pairs.append((first, warm or timed(lambda *_: run(), ids, 128)[1]))
+        pairs.append((first, warm_seconds() if warm is None else warm))
     ratios = [first / warm for first, warm in pairs]
     return {"dtype": dtype, "method": method, "processes": processes,
             "seconds_first_and_warm": [[round(x, 3) for x in pair] for pair in pairs],
