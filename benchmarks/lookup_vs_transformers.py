@@ -130,16 +130,8 @@ def first_against_tenth(dtype: str, method: str, processes: int = 5, prompt_inde
     processes run one after another would compare different moments): this process serves
     `repeats` - 1 requests, then `processes` times a fresh process serves its first and this
     one its next. Ratios are medians over the pairs."""
-    target = load_model("gemma-3-270m", dtype=dtype)
-    ids = prompts_of(target.tokenizer)[prompt_index]
-    if method == "plain":
-        def run():
-            return autoregressive_generate(target, ids, 128)
-    else:
-        decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=K), SpeculativeConfig(num_draft_tokens=K))
+    run = request(dtype, method, prompt_index)
 
-        def run():
-            return decoder.generate(ids, 128)
     def warm_seconds() -> float:
         start = time.perf_counter()
         run()
@@ -150,7 +142,7 @@ def first_against_tenth(dtype: str, method: str, processes: int = 5, prompt_inde
     pairs = []
     for number in range(processes):  # which of the pair runs first alternates
         warm = warm_seconds() if number % 2 else None
-        first = one_process(dtype, method, prompt_index, 1)[0]
+        first = first_request_seconds(dtype, method, prompt_index)
         pairs.append((first, warm_seconds() if warm is None else warm))
     ratios = [first / warm for first, warm in pairs]
     return {"dtype": dtype, "method": method, "processes": processes,
@@ -158,27 +150,27 @@ def first_against_tenth(dtype: str, method: str, processes: int = 5, prompt_inde
             "first_over_warm": round(statistics.median(ratios), 3), "per_pair": [round(r, 3) for r in ratios]}
 
 
-def one_process(dtype: str, method: str, prompt_index: int, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` requests (the same prompt) in a fresh process."""
+def request(dtype: str, method: str, prompt_index: int):
+    """A call that serves one request of the grounded-editing prompt, plain or by our lookup."""
+    target = load_model("gemma-3-270m", dtype=dtype)
+    ids = prompts_of(target.tokenizer)[prompt_index]
+    if method == "plain":
+        return lambda: autoregressive_generate(target, ids, 128)
+    decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens=K), SpeculativeConfig(num_draft_tokens=K))
+    return lambda: decoder.generate(ids, 128)
+
+
+def first_request_seconds(dtype: str, method: str, prompt_index: int) -> float:
+    """Seconds of the first request of a fresh process."""
     script = f"""
-import json, sys, time
+import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from lookup_vs_transformers import prompts_of
-from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
-target = load_model("gemma-3-270m", dtype={dtype!r})
-ids = prompts_of(target.tokenizer)[{prompt_index}]
-if {method!r} == "plain":
-    run = lambda: autoregressive_generate(target, ids, 128)
-else:
-    decoder = SpeculativeDecoder(target, NGramProposer(num_draft_tokens={K}), SpeculativeConfig(num_draft_tokens={K}))
-    run = lambda: decoder.generate(ids, 128)
-seconds = []
-for _ in range({repeats}):
-    start = time.perf_counter(); run(); seconds.append(time.perf_counter() - start)
-print(json.dumps(seconds))
+from lookup_vs_transformers import request
+run = request({dtype!r}, {method!r}, {prompt_index})
+start = time.perf_counter(); run(); print(time.perf_counter() - start)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def prompts_of(tokenizer) -> list[list[int]]:
