@@ -42,7 +42,7 @@ def hf_module(dtype: str):
     """Gemma 3 270M through transformers, prepared as load_model prepares a transformers model."""
     path = resolve("gemma-3-270m")
     torch_dtype = getattr(torch, dtype)
-    model = _load_transformers(path, "cpu", torch_dtype, lambda m: _prepare(m, "gemma-3-270m", None, False))
+    model = _load_transformers(path, "cpu", torch_dtype, lambda m: _prepare(m, "gemma-3-270m", None, False, True))
     return model
 
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from speculative import (Engine, NGramProposer, SamplingParams, SpeculativeConfig, SpeculativeDecoder,
-                         autoregressive_generate)
+                         autoregressive_generate, load_model, save_model)
+from speculative.models import argmax_screen
+from speculative.models.loading import load_draft
 from speculative.models.argmax_screen import _SCREENS as screens
 from speculative.models.argmax_screen import (ROUNDING, ArgmaxScreen, activation_residual, screen_pays,
                                               screened_logits)
@@ -122,6 +124,10 @@ def test_exact_scores_are_the_same_bits_on_every_instruction_set(ops):
     torch.testing.assert_close(results[0].double(), reference, rtol=1e-7, atol=1e-9)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.exact_scores(weight, hidden, torch.tensor([7]), torch.tensor([0]), "auto")
+    half = weight.bfloat16()  # read as it is: the bits of its float32 copy
+    for isa in isas:
+        assert torch.equal(ops.exact_scores(half, hidden, rows, tokens, isa),
+                           ops.exact_scores(half.float(), hidden, rows, tokens, isa))
 
 
 def test_screened_head_mixes_greedy_and_full_rows(ops):
@@ -136,13 +142,49 @@ def test_screened_head_mixes_greedy_and_full_rows(ops):
     assert torch.equal(logits[[0, 2]].argmax(-1).flatten(), exact_argmax(weight, states[[0, 2]].reshape(-1, H)))
 
 
-def test_large_float32_layers_only(ops, monkeypatch):
+def test_large_float32_and_bfloat16_layers_only(ops, monkeypatch):
     big = torch.nn.Linear(640, 1 << 16, bias=False)  # 42M weights: screened
     assert screen_pays(big)
     assert not screen_pays(torch.nn.Linear(640, 1000))  # small: the layer is cheap
-    assert not screen_pays(big.to(torch.bfloat16))
+    assert screen_pays(big.to(torch.bfloat16))
+    assert not screen_pays(big.to(torch.float16))
     monkeypatch.setenv("SPECULATIVE_ARGMAX_SCREEN", "0")
     assert not screen_pays(torch.nn.Linear(640, 1 << 16))
+
+
+def test_a_bfloat16_layer_gets_the_exact_argmax_at_every_width(ops, monkeypatch):
+    """The weight stays bfloat16 (no float32 copy); its screen is built in chunks and gives the
+    argmax of the exact scores, where bfloat16-rounded logits would tie and take the lowest token."""
+    monkeypatch.setattr(argmax_screen, "SCREEN_CHUNK", 1000)  # chunks and a remainder
+    weight, hidden = layer_and_states(seed=9)
+    weight, hidden = weight.bfloat16(), hidden.bfloat16()
+    top = exact_argmax(weight.float(), hidden.float())
+    for row in range(0, len(hidden), 4):  # a rival one bfloat16 step above the best in one weight
+        rival = (int(top[row]) + 17) % V
+        weight[rival] = weight[top[row]]
+        channel = int(hidden[row].float().abs().argmax())
+        value = weight[rival, channel].float()
+        weight[rival, channel] = value + hidden[row, channel].float().sign() * value.abs() * 2 ** -7
+    screen = ArgmaxScreen(weight)
+    assert screen.weight.data_ptr() == weight.data_ptr()
+    expected = exact_argmax(weight.float(), hidden.float())
+    rounded = (hidden @ weight.T).float()  # bfloat16 logits: the rivals tie with the best there
+    assert not torch.equal(rounded.argmax(-1), expected)
+    for width in (1, 5, len(hidden)):
+        parts = torch.cat([screen.logits(hidden[i:i + width]) for i in range(0, len(hidden), width)])
+        assert torch.equal(parts.argmax(-1), expected)
+
+
+def test_targets_get_their_screen_at_load_and_drafts_none(ops, tmp_path, monkeypatch):
+    """load_model builds the screen (the first greedy request does not wait for it); load_draft
+    never does (drafts never read it)."""
+    monkeypatch.setattr(argmax_screen, "MIN_WEIGHTS", 0)  # every output layer pays
+    save_model(tiny("decoder_only", vocab=512), tmp_path / "m")
+    target = load_model(tmp_path / "m", dtype="bfloat16")
+    assert isinstance(screens.get(target.lm_head), ArgmaxScreen)
+    draft = load_draft(tmp_path / "m", dtype="bfloat16")
+    assert draft.lm_head not in screens
+    assert load_model(tmp_path / "m", dtype="bfloat16", pack=False).lm_head not in screens  # to save or train
 
 
 def run(engine, requests):
@@ -172,6 +214,23 @@ def test_decoding_through_the_screen_equals_decoding_without_it(ops, batch):
     decoder = SpeculativeDecoder(model, NGramProposer(num_draft_tokens=6), SpeculativeConfig(num_draft_tokens=6))
     assert decoder.generate(prompts, 24) == reference
     assert head.calls > 0
+
+
+def test_bfloat16_decoding_through_the_screen(ops):
+    """A bfloat16 decoder with a screened head: speculative greedy output equals plain greedy
+    output through the same screen, up to test_precision.py's near-ties (bfloat16 layers round
+    a verify forward's rows differently from one-token forwards; the screen itself does not)."""
+    from speculative.models import to_dtype
+    from tests.test_precision import assert_within_policy
+
+    model = to_dtype(tiny("decoder_only", vocab=512, seed=9), torch.bfloat16)
+    screens[model.lm_head] = head = Counted(model.lm_head.weight)
+    identical = 0
+    for ids in ([1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6], [9, 9, 9, 9]):
+        reference = autoregressive_generate(model, ids, 24)
+        decoder = SpeculativeDecoder(model, NGramProposer(num_draft_tokens=6), SpeculativeConfig(num_draft_tokens=6))
+        identical += assert_within_policy(model, ids, decoder.generate(ids, 24), reference)
+    assert identical >= 2 and head.calls > 0
 
 
 def test_a_sampled_row_beside_greedy_ones_gets_the_full_layer(ops):

@@ -1,9 +1,9 @@
-"""Greedy rows' logits without most of a float32 output layer: an int8 screen, then exact scores.
+"""Greedy rows' logits without most of a large output layer: an int8 screen, then exact scores.
 
 A greedy row reads only the argmax of its logits. With a 262k-token vocabulary (Gemma 3) the
-float32 output layer is a third or more of a forward; an int8 copy of it is a quarter of the
-bytes and runs on the width-invariant int8 kernel. Its scores A_v are within a bound b_v of
-the exact ones, proven per token and row:
+output layer is a third or more of a forward; an int8 copy of it is a quarter of a float32
+layer's bytes (half of a bfloat16 one's) and runs on the width-invariant int8 kernel. Its
+scores A_v are within a bound b_v of the exact ones, proven per token and row:
 
     w.h - A = (w - s q).h + s q.(h - x q_x)   (weights w = s q + e, activations h = x q_x + r)
     |w.h - A| <= |e|_2 |h|_2 + s |q|_2 |r|_2 + float rounding,
@@ -13,7 +13,9 @@ kernel quantizes it. Every token whose exact score could be the largest (A_v + b
 best A_u - b_u) is a candidate, usually tens of them; only candidates are scored exactly, in
 float64 (the products are exact, the sum rounds at 1e-16), and rounded to float32. Every
 other logit is -inf: the argmax, ties to the lowest token as `argmax` breaks them, is that of
-the float32-rounded exact logits, the same at every width and in every batch.
+the float32-rounded exact logits, the same at every width and in every batch. A bfloat16
+layer's greedy rows therefore read exact scores, not scores rounded to bfloat16 (whose ties,
+a step of 0.0625 at a logit of 10, `argmax` would break to the lowest token).
 
 Only the argmax may be read from such logits (the engine asks for them on greedy rows only).
 Screening r as well (a second int8 product) made the bound 3-4x tighter, and decoding 4% slower.
@@ -39,18 +41,29 @@ MIN_WEIGHTS = 1 << 25
 NORM_ROUNDING = 2.0 ** -12
 
 
+# Rows of a bfloat16 weight made float32 at a time to build its screen (a few MB, not a copy).
+SCREEN_CHUNK = 1 << 13
+
+
 class ArgmaxScreen:
-    """An output layer's weight (V, H) in float32, kept as is, plus its int8 screen."""
+    """An output layer's weight (V, H) in float32 or bfloat16, kept as is, plus its int8 screen."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"ArgmaxScreen takes a float32 (V, H) weight, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+            raise ValueError("ArgmaxScreen takes a float32 or bfloat16 (V, H) weight, "
+                             f"got {weight.dtype} {tuple(weight.shape)}")
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().float()
         # Per vocabulary row: the int8 rows and their scales, |e|_2 (what int8 leaves of w)
-        # and s |q|_2 (what multiplies the activations' residual), rounded up.
+        # and s |q|_2 (what multiplies the activations' residual), rounded up. bfloat16 rows
+        # are exact in float32, so the bound holds for them as they are.
         self.ops = compiled_ops(required=True)
-        qweight, scale, error, norm = self.ops.screen_weights(self.weight)
+        if self.weight.dtype == torch.float32:
+            qweight, scale, error, norm = self.ops.screen_weights(self.weight)
+        else:
+            parts = [self.ops.screen_weights(self.weight[start:start + SCREEN_CHUNK].float())
+                     for start in range(0, len(self.weight), SCREEN_CHUNK)]
+            qweight, scale, error, norm = (torch.cat(column) for column in zip(*parts))
         self.int8 = Int8Linear.from_int8(qweight, scale, self.bias)
         self.weight_error, self.weight_norm = error * (1 + NORM_ROUNDING), norm * (1 + NORM_ROUNDING)
         self.widest_error = float(self.weight_error.max()), float(self.weight_norm.max())
@@ -83,30 +96,33 @@ def activation_residual(x: torch.Tensor) -> torch.Tensor:
 
 def screen_pays(layer) -> bool:
     """Whether to screen an output layer: a plain linear one (h W^T + b) with a large float32
-    weight on a CPU where the compiled kernels run, unless SPECULATIVE_ARGMAX_SCREEN=0."""
+    or bfloat16 weight on a CPU where the compiled kernels run, unless SPECULATIVE_ARGMAX_SCREEN=0."""
     weight = getattr(layer, "weight", None)
     return (os.environ.get("SPECULATIVE_ARGMAX_SCREEN", "1") != "0" and type(layer) in (nn.Linear, PackedLinear)
-            and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.numel() >= MIN_WEIGHTS and compiled_ops() is not None)
+            and isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() >= MIN_WEIGHTS
+            and compiled_ops() is not None)
 
 
-# Output layer -> its ArgmaxScreen, or None where one would not pay; made at the first forward
-# with an argmax row (0.1 s and a quarter of the layer's bytes for Gemma 3's: sampling alone
-# never pays it).
+# Output layer -> its ArgmaxScreen, or None where one would not pay; made at load
+# (`prepare_screen`) or else at the first forward with an argmax row (0.2-0.4 s for Gemma 3's).
 _SCREENS: "weakref.WeakKeyDictionary[nn.Module, ArgmaxScreen | None]" = weakref.WeakKeyDictionary()
+
+
+def prepare_screen(layer: nn.Module) -> bool:
+    """Build the layer's screen now (at load), if it has none and one pays; whether it has one."""
+    if layer not in _SCREENS:
+        _SCREENS[layer] = ArgmaxScreen(layer.weight, getattr(layer, "bias", None)) if screen_pays(layer) else None
+    return _SCREENS[layer] is not None
 
 
 def screened_logits(layer: nn.Module, hidden: torch.Tensor, argmax_rows: list[bool], full=None) -> torch.Tensor:
     """Float32 logits (B, T, V) of the output layer `layer` over hidden (B, T, H): the rows of
     `argmax_rows` through its screen where one pays, the others by `full` (default: the layer)."""
     full = full or (lambda h: layer(h).float())
-    if not any(argmax_rows):
+    if not any(argmax_rows) or not prepare_screen(layer):
         return full(hidden)
-    if layer not in _SCREENS:
-        _SCREENS[layer] = ArgmaxScreen(layer.weight, getattr(layer, "bias", None)) if screen_pays(layer) else None
     screen = _SCREENS[layer]
-    if screen is None:
-        return full(hidden)
     if all(argmax_rows):
         return screen.logits(hidden)
     screened = torch.tensor(list(argmax_rows), device=hidden.device)

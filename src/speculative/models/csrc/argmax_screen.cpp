@@ -12,8 +12,9 @@
 // token), then checked in float64.
 //
 // exact_scores: out[p] = the float32 rounding of the float64 dot product of hidden[rows[p]] and
-// weight[tokens[p]]. Products of float32 values are exact in float64; the sum runs in one fixed
-// order (8 lanes, then a fixed tree), so a pair gets the same bits whatever else the call
+// weight[tokens[p]] (a float32 or bfloat16 weight; a bfloat16 row is made float32 exactly, then
+// scored as a float32 one). Products of float32 values are exact in float64; the sum runs in one
+// fixed order (8 lanes, then a fixed tree), so a pair gets the same bits whatever else the call
 // scores, on every instruction set.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -86,8 +87,9 @@ double dot(const float* w, const float* h, int64_t K, Isa isa) {
 at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, const at::Tensor& rows,
                         const at::Tensor& tokens, const std::string& isa_name) {
   const Isa isa = speculative::isa_named(isa_name, "exact_scores");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "exact_scores: weight must be a contiguous (V, K) float32 matrix");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && (weight.scalar_type() == at::kFloat || bf16),
+              "exact_scores: weight must be a contiguous (V, K) float32 or bfloat16 matrix");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
                   hidden.size(1) == weight.size(1),
               "exact_scores: hidden must be a contiguous (N, K) float32 matrix with the weight's K");
@@ -102,11 +104,17 @@ at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, cons
     TORCH_CHECK(r[p] >= 0 && r[p] < N && t[p] >= 0 && t[p] < V, "exact_scores: pair ", p, " is out of range");
   const float* h = hidden.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
+  const float* w = bf16 ? nullptr : weight.data_ptr<float>();
+  const at::BFloat16* w16 = bf16 ? weight.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, P, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(bf16 ? K : 0);
     for (int64_t p = begin; p < end; ++p) {
       const float* x = h + r[p] * K;
-      o[p] = static_cast<float>(dot(w + t[p] * K, x, K, isa));
+      if (bf16) {
+        const at::BFloat16* source = w16 + t[p] * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(source[k]);
+      }
+      o[p] = static_cast<float>(dot(bf16 ? row.data() : w + t[p] * K, x, K, isa));
     }
   });
   return out;
