@@ -8,6 +8,7 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.core.inputs import normalize_prompts
+from speculative.core.sampling import ARGMAX_BLOCK, argmax
 from tests.helpers import perturbed, tiny
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -111,3 +112,24 @@ def test_sampling_generate_gives_rows_within_their_budget_or_a_clear_error(draft
         assert all(0 <= t < VOCAB for t in row) and len(row) <= limit
         assert not stops & set(row[:-1]) and (len(row) == limit or row[-1] in stops)
     assert decoder.generate(prompts, budgets, eos, seeds=seeds) == got[1]
+
+
+special = st.sampled_from([0.0, 1.0, -2.5, 7.0, float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2 * ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 77), st.integers(1, 3),
+       st.sampled_from(["randn", "-inf", "zeros"]), st.lists(st.tuples(st.integers(0, 10 ** 6), special), max_size=8), st.integers(0, 2 ** 31))
+def test_blocked_argmax_is_torchs(width, rows, fill, spots, seed):
+    """core.sampling.argmax gives torch's argmax: the first largest, NaN the largest, at ties
+    across and within blocks, in a short last block, on rows of -inf (as screened logits are)."""
+    if fill == "randn":
+        logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    else:
+        logits = torch.full((rows, width), float("-inf") if fill == "-inf" else 0.0)
+    for spot, value in spots:
+        logits[spot % rows, spot % width] = value
+        logits[spot % rows, (spot * 7919) % width] = value  # the same value again, elsewhere: a tie
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert torch.equal(argmax(logits[None]), logits[None].argmax(-1))  # (B, T, V)
+    assert torch.equal(argmax(logits[0]), logits[0].argmax(-1))  # (V,)

@@ -15,6 +15,32 @@ import torch
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
 
 
+# Logits per block in `argmax`: a row's blocks' maxima, then the winning block's argmax.
+ARGMAX_BLOCK = 1024
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the same indices (the first largest; NaN counts as largest), in a
+    tenth of the time on a CPU for large vocabularies: torch's CPU argmax is a scalar loop
+    (4.4 ms for 16 rows of Gemma 3's 262k logits, 6% of a verify step), its amax is
+    vectorized (0.4 ms). The first largest lies in the first block whose maximum is the
+    row's, at that block's own argmax."""
+    width = logits.shape[-1]
+    if logits.device.type != "cpu" or width < 2 * ARGMAX_BLOCK:
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, width)
+    whole = width // ARGMAX_BLOCK * ARGMAX_BLOCK
+    maxima = rows[:, :whole].reshape(len(rows), -1, ARGMAX_BLOCK).amax(-1)  # (N, blocks)
+    if whole < width:
+        maxima = torch.cat([maxima, rows[:, whole:].amax(-1, keepdim=True)], 1)
+    starts = maxima.argmax(-1, keepdim=True) * ARGMAX_BLOCK
+    # The winning block's indices; a short last block repeats its last index (after the
+    # real ones, so never the first largest).
+    indices = (starts + torch.arange(ARGMAX_BLOCK)).clamp_(max=width - 1)
+    best = rows.gather(1, indices).argmax(-1, keepdim=True)
+    return indices.gather(1, best).reshape(logits.shape[:-1])
+
+
 class NonFiniteLogits(ValueError):
     """A model gave NaN or infinite logits for some rows: no token can be chosen there."""
 
@@ -92,7 +118,7 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = 
     """
     raw = logits.float()
     if temperature < MIN_TEMPERATURE:
-        return torch.nn.functional.one_hot(raw.argmax(-1), raw.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(raw), raw.shape[-1]).float()
     logits = (raw - raw.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .deprecation import renamed_keywords
-from .sampling import Sampler, row_probabilities, sample, uniform
+from .sampling import Sampler, argmax, row_probabilities, sample, uniform
 from .tree import Tree
 
 
@@ -68,7 +68,7 @@ def greedy_verify(draft_tokens: torch.Tensor, draft_lengths: list[int],
     draft_tokens (B, K), draft_lengths (tokens drafted per row), target_logits (B, K+1, V).
     Returns accepted (B,) and the next token (B,): the target's argmax after the kept prefix.
     """
-    target_tokens = target_logits.argmax(-1)  # (B, K+1)
+    target_tokens = argmax(target_logits)  # (B, K+1)
     match = (draft_tokens == target_tokens[:, :-1]) & _valid(draft_tokens, draft_lengths)
     accepted = match.long().cumprod(-1).sum(-1)
     return accepted, target_tokens.gather(1, accepted[:, None]).squeeze(1)
@@ -153,9 +153,8 @@ def verify_rows(draft_tokens: torch.Tensor, draft_lengths: list[int], draft_prob
 def greedy_tree_verify(trees: list[Tree], target_logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
     """Per row the accepted path (node indices) and the target's argmax after it.
     target_logits (B, 1+N, V): row 0 the last committed token, row i + 1 node i."""
-    argmax = target_logits.argmax(-1).tolist()  # (B, 1+N)
     paths, extra = [], []
-    for tree, best in zip(trees, argmax):
+    for tree, best in zip(trees, argmax(target_logits).tolist()):  # (B, 1+N)
         depth = {-1: 0}  # accepted nodes and their depth
         deepest = -1
         for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):

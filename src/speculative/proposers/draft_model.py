@@ -7,7 +7,7 @@ import copy
 import torch
 
 from ..models.base import pad, prefill
-from ..core.sampling import Sampler, check_finite, row_probabilities, sample
+from ..core.sampling import Sampler, argmax, check_finite, row_probabilities, sample
 from ..core.tree import Tree, expand_tree
 from .base import Proposal
 
@@ -124,7 +124,7 @@ class DraftModelProposer:
                 drafted = sample(q, self.generators, [d and i < n for d, n in zip(draws, limits)])
                 probs.append(q if self.vocab is None else scatter_vocab(q, self.vocab, self.vocab_size))
             else:
-                q, drafted = None, logits.argmax(-1)
+                q, drafted = None, argmax(logits)
             tokens.append(drafted if self.vocab is None else self.vocab[drafted])
             if min_confidence is not None:
                 values = self._confidence(logits, drafted, q, draws)

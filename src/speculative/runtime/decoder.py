@@ -18,7 +18,7 @@ from ..core.inputs import (check_draft, check_draft_width, check_eos, check_leng
                      normalize_max_new, normalize_prompts)
 from ..core.inputs import row_seeds as checked_row_seeds
 from ..core.rows import SamplingParams
-from ..core.sampling import NonFiniteLogits, make_generators, non_finite_rows, probabilities, sample
+from ..core.sampling import NonFiniteLogits, argmax, make_generators, non_finite_rows, probabilities, sample
 from ..core.stats import DecodeStats
 from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy
@@ -154,7 +154,7 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
                 tokens = sample(probabilities(logits, config.target_temperature, config.top_k, config.top_p),
                                 generators).tolist()
             else:
-                tokens = logits.argmax(-1).tolist()
+                tokens = argmax(logits).tolist()
             for row, token in zip(active, tokens):
                 outputs[row].append(token)
             last = tokens
