@@ -41,7 +41,7 @@ MIN_WEIGHTS = 1 << 25
 NORM_ROUNDING = 2.0 ** -12
 
 
-# Rows of a bfloat16 weight made float32 at a time to build its screen (a few MB, not a copy).
+# Rows screened at a time (a bfloat16 weight's made float32 for it: a few MB, not a copy).
 SCREEN_CHUNK = 1 << 13
 
 
@@ -58,12 +58,9 @@ class ArgmaxScreen:
         # and s |q|_2 (what multiplies the activations' residual), rounded up. bfloat16 rows
         # are exact in float32, so the bound holds for them as they are.
         self.ops = compiled_ops(required=True)
-        if self.weight.dtype == torch.float32:
-            qweight, scale, error, norm = self.ops.screen_weights(self.weight)
-        else:
-            parts = [self.ops.screen_weights(self.weight[start:start + SCREEN_CHUNK].float())
-                     for start in range(0, len(self.weight), SCREEN_CHUNK)]
-            qweight, scale, error, norm = (torch.cat(column) for column in zip(*parts))
+        parts = [self.ops.screen_weights(self.weight[start:start + SCREEN_CHUNK].float())
+                 for start in range(0, len(self.weight), SCREEN_CHUNK)]
+        qweight, scale, error, norm = (torch.cat(column) for column in zip(*parts))
         self.int8 = Int8Linear.from_int8(qweight, scale, self.bias)
         self.weight_error, self.weight_norm = error * (1 + NORM_ROUNDING), norm * (1 + NORM_ROUNDING)
         self.widest_error = float(self.weight_error.max()), float(self.weight_norm.max())
