@@ -15,9 +15,14 @@ import torch
 KEY_BLOCK = 512
 
 
+def whole_blocks(slots: int) -> int:
+    """`slots` rounded up to whole KEY_BLOCKs."""
+    return -(-slots // KEY_BLOCK) * KEY_BLOCK
+
+
 def key_slots(capacity: int) -> int:
     """Slots of a cache for `capacity` positions: those, a scratch slot, rounded up to KEY_BLOCK."""
-    return -(-(capacity + 1) // KEY_BLOCK) * KEY_BLOCK
+    return whole_blocks(capacity + 1)
 
 
 class KVState:

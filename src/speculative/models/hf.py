@@ -13,6 +13,8 @@ compacted to the front, so a long-running batch keeps a bounded cache.
 Long forwards (prompts) run attention by blocks of queries, each over the key slots its
 mask leaves open to some query of the block (`block_attention`): causal and sliding-window
 masks then skip work instead of masking it (`python benchmarks/run.py prefill-gemma`).
+Models that run it keep their keys and values in a `BlockCache` (models/hf_cache.py),
+written in place and read in whole key blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .argmax_screen import screened_logits
 from .base import OutputHead
-from .attention import KEY_BLOCK, cached_attention
+from .attention import KEY_BLOCK, cached_attention, whole_blocks
 
 # Layer types whose masks we know how to build.
 LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -38,11 +40,13 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
     a sliding-window layer reads only its window, in every forward. Exact: a slot outside
     the span gets no weight from any query of the block. Masks other than additive ones go
     whole. In float32 (an int8 model's activations), forwards of at most one block go
-    through `width_invariant_attention`, from the first open KEY_BLOCK."""
+    through `width_invariant_attention`, from the first open KEY_BLOCK. Keys may run past
+    the mask's slots (a `BlockCache`'s zeros, to the end of a key block)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is None or not attention_mask.is_floating_point():
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        slots = key.shape[2] if attention_mask is None else attention_mask.shape[-1]
+        return sdpa_attention_forward(module, query, key[:, :, :slots], value[:, :, :slots], attention_mask, **kwargs)
     invariant = query.dtype == torch.float32 and query.shape[2] <= QUERY_BLOCK and not kwargs.get("softcap")
     blocked = torch.finfo(attention_mask.dtype).min
     outputs = []
@@ -62,14 +66,14 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
 
 def width_invariant_attention(query, key, value, attention_mask, scaling):
     """`cached_attention` (the built-in decoder's: each token gets the bits of a one-token
-    forward) over the keys padded with hidden slots to whole KEY_BLOCKs, in transformers'
-    layout: (B, T, H, D) from queries (B, H, T, D) and an additive mask (B, 1, T, S)."""
-    slots = key.shape[2]
-    padding = -(-slots // KEY_BLOCK) * KEY_BLOCK - slots
+    forward) over the keys padded with hidden zero slots to whole KEY_BLOCKs (a copy unless
+    they come so from a `BlockCache`), in transformers' layout: (B, T, H, D) from queries
+    (B, H, T, D) and an additive mask (B, 1, T, S), S <= the keys' slots."""
+    slots = whole_blocks(key.shape[2])
     visible = attention_mask[:, 0] != torch.finfo(attention_mask.dtype).min  # (B, T, S)
-    if padding:
-        key, value = (torch.nn.functional.pad(t, (0, 0, 0, padding)) for t in (key, value))
-        visible = torch.nn.functional.pad(visible, (0, padding))
+    if key.shape[2] < slots:
+        key, value = (torch.nn.functional.pad(t, (0, 0, 0, slots - key.shape[2])) for t in (key, value))
+    visible = torch.nn.functional.pad(visible, (0, slots - visible.shape[-1]))
     return cached_attention(query, key, value, visible, scaling).transpose(1, 2)
 
 
@@ -128,6 +132,8 @@ class HFModel:
             self._special.append("no separate base model")
         self._head = self._mkl_head(model)
         use_block_attention(model)
+        # Only block_attention reads keys past the mask: other models get transformers' cache.
+        self._blocked = getattr(model.config, "_attn_implementation", None) == BLOCK_ATTENTION
 
     def _mkl_head(self, model):
         """The output layer when it runs on MKL's float32 GEMM, else None.
@@ -150,7 +156,7 @@ class HFModel:
         return next(self.model.parameters()).dtype
 
     def new_state(self, batch_size: int, capacity: int | None = None) -> HFState:
-        return HFState(_empty_cache(), batch_size, self.device)
+        return HFState(_empty_cache(self._blocked), batch_size, self.device)
 
     def _masks(self, state: HFState, positions: torch.Tensor, tree: torch.Tensor | None = None):
         """Additive masks (B, 1, T, S+T) for new tokens at `positions` (B, T): each sees the
@@ -289,7 +295,7 @@ class HFModel:
         self._compact(new)
         slots = max(state.valid.shape[1], new.valid.shape[1])
         mine, theirs = self._tensors(state), self._tensors(new)
-        cache = _empty_cache()
+        cache = _empty_cache(self._blocked)
         for index, (k, v) in enumerate(mine or theirs):  # no layers on either side: nothing seen yet
             joined = []
             for side, rows in ((mine, len(state.lengths)), (theirs, len(new.lengths))):
@@ -331,17 +337,19 @@ class HFModel:
         last = int(used[-1]) + 1 if len(used) else 0
         if last < slots:
             if last == 0:  # no slot left: a fresh cache (an emptied one may keep a stale batch size)
-                state.cache = _empty_cache()
+                state.cache = _empty_cache(self._blocked)
             else:
                 state.cache.crop(last - slots)  # a negative count: slots to remove
             state.valid, state.positions = state.valid[:, :last], state.positions[:, :last]
 
 
-def _empty_cache():
+def _empty_cache(blocked: bool):
     from transformers import DynamicCache
 
+    from .hf_cache import BlockCache
+
     # No config: every layer keeps all its slots (our masks do the windowing).
-    return DynamicCache()
+    return BlockCache() if blocked else DynamicCache()
 
 
 def _pad(tensor: torch.Tensor, size: int, rows: int | None = None, dim: int = 1) -> torch.Tensor:
