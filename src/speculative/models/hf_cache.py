@@ -2,12 +2,13 @@
 
 transformers' `DynamicCache` appends a forward's keys and values by concatenation, copying
 each layer's whole cache at every forward; width-invariant attention then copied it once
-more to pad it to whole KEY_BLOCKs of zeros. At a 1k-token context that was about a
-twentieth of a float32 verify step of Gemma 3 270M. Here each layer keeps buffers of whole
-key blocks: a forward writes its slots in place, the slots past the layer's length are
-zeros, and `update` returns the keys and values through the end of that block, so
-attention reads whole blocks with no copy. Only `block_attention` may read a cache whose
-keys run past the mask: `HFModel` uses one only for models that run it.
+more to pad it to whole KEY_BLOCKs of zeros: about a tenth of a float32 lookup request's
+decoding time for Gemma 3 270M at a 1k-token context (dev/LOG.md, 2026-12-06). Here each
+layer keeps buffers of whole key blocks: a forward writes its slots in place, the slots
+past the layer's length are zeros, and `update` returns the keys and values through the
+end of that block, so attention reads whole blocks with no copy. Only `block_attention`
+may read a cache whose keys run past the mask: `HFModel` uses one only for models that
+run it.
 """
 
 from __future__ import annotations
