@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import KEY_BLOCK, KVState, SlotWrite, cached_attention, key_slots, rope_table, rotate, tree_mask
+from .attention import KVState, SlotWrite, cached_attention, key_slots, rope_table, rotate, tree_mask, whole_blocks
 from .base import OutputHead, check_lengths, output, valid_counts
 from .decoder_config import DecoderOnlyConfig
 
@@ -337,7 +337,7 @@ class DecoderOnlyLM(nn.Module):
             padding = torch.arange(width, device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
             write = SlotWrite(slots.masked_fill(padding, state.capacity))  # padding goes to the scratch slot
         # A query in slot s sees the keys in slots <= s (stale entries lie beyond), read in whole blocks.
-        span = min(-(-keys // KEY_BLOCK) * KEY_BLOCK, state.keys[0].shape[2])
+        span = min(whole_blocks(keys), state.keys[0].shape[2])
         if tree is None:
             mask = torch.arange(span, device=device)[None, None, :] <= slots[:, :, None]  # (B, T, span)
         else:

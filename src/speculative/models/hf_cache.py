@@ -49,11 +49,9 @@ class BlockLayer(DynamicLayer):
         """As `DynamicLayer.crop`, zeroing the dropped slots (attention reads them as padding)."""
         owned, length = self._owns_views(), self.get_seq_length()
         super().crop(tokens_to_remove)
-        if owned:
-            kept = self.get_seq_length()
+        if owned:  # the cropped keys and values are still views of the buffers
             for buffer in self.buffers:
-                buffer[:, :, kept:length] = 0
-            self.keys, self.values = self.buffers[0][:, :, :kept], self.buffers[1][:, :, :kept]
+                buffer[:, :, self.get_seq_length():length] = 0
 
     def _owns_views(self) -> bool:
         return (self.buffers is not None and self.keys is not None and self.keys.dim() == 4
