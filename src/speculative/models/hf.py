@@ -246,15 +246,14 @@ class HFModel:
         inputs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self._cache_arg: state.cache})
         hidden = None
-        if return_hidden or screened or self._head is not None and keep_logits:
+        if keep_logits and not (return_hidden or screened or self._head is not None):
+            logits = self.model(**inputs, logits_to_keep=0).logits.float()
+        else:  # without logits, no output layer at all (a prompt's: 30-50 ms in float32 for Gemma 3's)
             hidden = self.model.base_model(**inputs).last_hidden_state  # (B, T, H)
             if screened:
                 logits = screened_logits(self.model.get_output_embeddings(), hidden, argmax_rows, self._logits)
             else:
                 logits = self._logits(hidden) if keep_logits else None
-        else:
-            out = self.model(**inputs, logits_to_keep=0 if keep_logits else 1)
-            logits = out.logits.float() if keep_logits else None
         kept = torch.arange(width, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
         state.valid = torch.cat([state.valid, kept], 1)
         state.positions = keys_pos
