@@ -92,6 +92,29 @@ def test_the_bound_holds_for_every_token(ops):
     assert ((exact - scores).abs() > bound / 50).any()  # not loose by orders of magnitude
 
 
+def test_the_floor_is_the_exact_score_of_the_screens_best_token(ops):
+    """Candidates are the tokens whose bound reaches the exact score of the screen's best
+    token (less a rounding margin), not merely the screen's own lower bound for it, which
+    sits about a bound lower and lets through many more. Checked on rows where that lower
+    bound would let in tokens under the exact floor, so the test tells the two apart."""
+    weight, hidden = layer_and_states(seed=7, rows=32)
+    screen = ArgmaxScreen(weight)
+    scores = screen.int8(hidden).double()
+    bound = screen.weight_error * hidden.double().norm(dim=-1, keepdim=True) \
+        + screen.weight_norm * activation_residual(hidden).norm(dim=-1, keepdim=True)
+    bound = bound + ROUNDING * (scores.abs() + 2 * bound + 1)
+    best = scores.argmax(-1, keepdim=True)
+    exact = (hidden.double() * weight[best.squeeze(1)].double()).sum(-1, keepdim=True).float().double()
+    floor = exact - ROUNDING * (exact.abs() + 1)
+    reach = scores + bound
+    looser = (reach >= scores.gather(1, best) - bound.gather(1, best)) & (reach < floor - 1e-6 * floor.abs())
+    assert looser.sum() > len(hidden)  # the screen's own bound would let these in
+    logits = screen.logits(hidden)
+    assert not torch.isfinite(logits[looser]).any()
+    assert (torch.isfinite(logits) & (reach < floor - 1e-6 * floor.abs())).sum() == 0
+    assert torch.equal(logits.argmax(-1), exact_argmax(weight, hidden))
+
+
 def test_the_residual_is_the_kernels_quantization(ops):
     """activation_residual quantizes as the int8 kernel does: the kernel's output for h equals
     the one for h - r (the part it keeps), bit for bit."""

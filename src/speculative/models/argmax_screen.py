@@ -72,7 +72,8 @@ class ArgmaxScreen:
         # With w = s q + e and h = x q_x + r: w.h - s q.(x q_x) = e.h + s q.r.
         norms = torch.stack([flat.double().norm(dim=-1), activation_residual(flat).norm(dim=-1)], 1)
         rows, tokens = self.ops.screen_candidates(screen, self.weight_error, self.weight_norm,
-                                                  norms * (1 + NORM_ROUNDING), *self.widest_error, ROUNDING)
+                                                  norms * (1 + NORM_ROUNDING), *self.widest_error, ROUNDING,
+                                                  self.weight, flat, self.bias)
         scores = self.ops.exact_scores(self.weight, flat, rows, tokens, "auto")
         if self.bias is not None:
             scores = (scores.double() + self.bias[tokens].double()).float()

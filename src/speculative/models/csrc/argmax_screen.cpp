@@ -5,11 +5,14 @@
 // exact, the sums rounding at 1e-16).
 //
 // screen_candidates: for each row n of a screen (N, V) float32, the tokens v whose screen score
-// a_v plus their own bound b_v reaches the floor best - b_best (best: the row's largest a, the
-// first at ties), where b_v = p + rounding * (|a_v| + 2 p + 1), p = error[v] * norms[n][0] +
-// norm[v] * norms[n][1] (float64). A row with a NaN anywhere gets none. Tokens are first
-// compared, in float32, with a threshold below every candidate's (from the widest p of any
-// token), then checked in float64.
+// a_v plus their own bound b_v reaches the floor, where b_v = p + rounding * (|a_v| + 2 p + 1),
+// p = error[v] * norms[n][0] + norm[v] * norms[n][1] (float64). The floor is the exact score e
+// of the screen's best token (the row's largest a, the first at ties; scored as exact_scores
+// scores it, plus its bias) less rounding * (|e| + 1): no token whose exact score rounds to e
+// or more lies under it. (The screen's own lower bound, best - b_best, sits about b_best lower:
+// it let through 2-3 times as many candidates.) A row with a NaN anywhere gets none. Tokens
+// are first compared, in float32, with a threshold below every candidate's (from the widest p
+// of any token), then checked in float64.
 //
 // exact_scores: out[p] = the float32 rounding of the float64 dot product of hidden[rows[p]] and
 // weight[tokens[p]] (a float32 or bfloat16 weight; a bfloat16 row is made float32 exactly, then
@@ -27,6 +30,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -84,15 +88,36 @@ double dot(const float* w, const float* h, int64_t K, Isa isa) {
   return dot_plain(w, h, K);
 }
 
+// The float32 rounding of the float64 dot product of token t's weight row and h (`row`: room
+// for a bfloat16 row made float32).
+float exact_score(const float* w, const at::BFloat16* w16, int64_t t, const float* h, int64_t K, Isa isa,
+                  std::vector<float>& row) {
+  if (w16 != nullptr) {
+    const at::BFloat16* source = w16 + t * K;
+    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(source[k]);
+  }
+  return static_cast<float>(dot(w16 != nullptr ? row.data() : w + t * K, h, K, isa));
+}
+
+// A contiguous (V, K) float32 or bfloat16 weight: (float32 data or null, bfloat16 data or null).
+std::pair<const float*, const at::BFloat16*> weight_data(const at::Tensor& weight, const char* op) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && (weight.scalar_type() == at::kFloat || bf16), op,
+              ": weight must be a contiguous (V, K) float32 or bfloat16 matrix");
+  return {bf16 ? nullptr : weight.data_ptr<float>(), bf16 ? weight.data_ptr<at::BFloat16>() : nullptr};
+}
+
+void check_hidden(const at::Tensor& hidden, int64_t K, const char* op) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
+                  hidden.size(1) == K,
+              op, ": hidden must be a contiguous (N, K) float32 matrix with the weight's K");
+}
+
 at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, const at::Tensor& rows,
                         const at::Tensor& tokens, const std::string& isa_name) {
   const Isa isa = speculative::isa_named(isa_name, "exact_scores");
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && (weight.scalar_type() == at::kFloat || bf16),
-              "exact_scores: weight must be a contiguous (V, K) float32 or bfloat16 matrix");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
-                  hidden.size(1) == weight.size(1),
-              "exact_scores: hidden must be a contiguous (N, K) float32 matrix with the weight's K");
+  const auto [w, w16] = weight_data(weight, "exact_scores");
+  check_hidden(hidden, weight.size(1), "exact_scores");
   TORCH_CHECK(rows.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong && rows.dim() == 1 &&
                   tokens.sizes() == rows.sizes() && rows.is_contiguous() && tokens.is_contiguous(),
               "exact_scores: rows and tokens must be contiguous int64 vectors of one length");
@@ -104,18 +129,9 @@ at::Tensor exact_scores(const at::Tensor& weight, const at::Tensor& hidden, cons
     TORCH_CHECK(r[p] >= 0 && r[p] < N && t[p] >= 0 && t[p] < V, "exact_scores: pair ", p, " is out of range");
   const float* h = hidden.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const float* w = bf16 ? nullptr : weight.data_ptr<float>();
-  const at::BFloat16* w16 = bf16 ? weight.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, P, 256, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(bf16 ? K : 0);
-    for (int64_t p = begin; p < end; ++p) {
-      const float* x = h + r[p] * K;
-      if (bf16) {
-        const at::BFloat16* source = w16 + t[p] * K;
-        for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(source[k]);
-      }
-      o[p] = static_cast<float>(dot(bf16 ? row.data() : w + t[p] * K, x, K, isa));
-    }
+    std::vector<float> row(w16 != nullptr ? K : 0);
+    for (int64_t p = begin; p < end; ++p) o[p] = exact_score(w, w16, t[p], h + r[p] * K, K, isa, row);
   });
   return out;
 }
@@ -165,16 +181,27 @@ __attribute__((target("avx512f"))) void above_avx512(const float* x, int64_t V, 
 std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& screen,
                                                      const at::Tensor& error, const at::Tensor& norm,
                                                      const at::Tensor& norms, double widest_error, double widest_norm,
-                                                     double rounding) {
+                                                     double rounding, const at::Tensor& weight,
+                                                     const at::Tensor& hidden, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kFloat && screen.is_contiguous(),
               "screen_candidates: the screen must be a contiguous (N, V) float32 matrix");
-  const int64_t N = screen.size(0), V = screen.size(1);
+  const int64_t N = screen.size(0), V = screen.size(1), K = weight.size(1);
   TORCH_CHECK(error.scalar_type() == at::kDouble && norm.scalar_type() == at::kDouble && error.numel() == V &&
                   norm.numel() == V && error.is_contiguous() && norm.is_contiguous(),
               "screen_candidates: error and norm must be contiguous float64 vectors of V entries");
   TORCH_CHECK(norms.scalar_type() == at::kDouble && norms.dim() == 2 && norms.size(0) == N && norms.size(1) == 2 &&
                   norms.is_contiguous(),
               "screen_candidates: norms must be a contiguous (N, 2) float64 matrix");
+  const auto [w, w16] = weight_data(weight, "screen_candidates");
+  TORCH_CHECK(weight.size(0) == V, "screen_candidates: the weight must have the screen's V rows");
+  check_hidden(hidden, K, "screen_candidates");
+  TORCH_CHECK(hidden.size(0) == N, "screen_candidates: hidden must have the screen's N rows");
+  const bool biased = bias.has_value() && bias->defined();
+  TORCH_CHECK(!biased || (bias->scalar_type() == at::kFloat && bias->numel() == V && bias->is_contiguous()),
+              "screen_candidates: bias must be a contiguous float32 vector of V entries");
+  const float* b = biased ? bias->data_ptr<float>() : nullptr;
+  const float* hid = hidden.data_ptr<float>();
+  const Isa isa = speculative::best_isa();
   const float* a = screen.data_ptr<float>();
   const double* err = error.data_ptr<double>();
   const double* nrm = norm.data_ptr<double>();
@@ -182,6 +209,7 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& screen,
   std::vector<std::vector<int64_t>> found(N);
   const bool wide = speculative::best_isa() == Isa::vnni;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(w16 != nullptr ? K : 0);
     for (int64_t n = begin; n < end; ++n) {
       const float* x = a + n * V;
       const float best = wide ? row_max_avx512(x, V) : row_max(x, V);
@@ -190,7 +218,10 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& screen,
       while (x[at] != best) ++at;
       const double h = hn[2 * n], r = hn[2 * n + 1];
       auto bound = [&](double p, double value) { return p + rounding * (std::fabs(value) + 2 * p + 1); };
-      const double floor = best - bound(err[at] * h + nrm[at] * r, best);
+      float e = exact_score(w, w16, at, hid + n * K, K, isa, row);
+      if (b != nullptr) e = static_cast<float>(static_cast<double>(e) + static_cast<double>(b[at]));
+      if (std::isnan(e)) continue;
+      const double floor = std::max(best - bound(err[at] * h + nrm[at] * r, best), e - rounding * (std::fabs(e) + 1));
       const double spread = widest_error * h + widest_norm * r;
       // Every candidate lies in [floor - spread - 1, best] (rounding is tiny), so |a_v| <= z.
       const double z = std::fabs(static_cast<double>(best)) + std::fabs(floor) + 2 * spread + 1;
@@ -300,6 +331,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_weights(const 
 TORCH_LIBRARY_FRAGMENT(speculative_kernels, m) {
   m.def("screen_weights(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)", &screen_weights);
   m.def("screen_candidates(Tensor screen, Tensor error, Tensor norm, Tensor norms, float widest_error, "
-        "float widest_norm, float rounding) -> (Tensor, Tensor)", &screen_candidates);
+        "float widest_norm, float rounding, Tensor weight, Tensor hidden, Tensor? bias) -> (Tensor, Tensor)", &screen_candidates);
   m.def("exact_scores(Tensor weight, Tensor hidden, Tensor rows, Tensor tokens, str isa) -> Tensor", &exact_scores);
 }
