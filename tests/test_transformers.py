@@ -270,6 +270,37 @@ def test_long_forwards_attend_by_blocks_and_match_plain_sdpa(monkeypatch):
     assert decoder.generate(ids, 20) == reference(plain, ids, 20)
 
 
+def test_each_mask_is_read_once_per_forward(monkeypatch):
+    """Layers of a type share their mask object in a forward: its spans are worked out once
+    (two masks, four layers); a mask the adapter did not make is read at every call."""
+    import speculative.models.hf as hf
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256)
+    model = hf.HFModel(Gemma3ForCausalLM(config).eval())
+    readings = []
+    original = hf.MaskReading.__init__
+
+    def counted(self, mask):
+        readings.append(mask.shape)
+        original(self, mask)
+
+    monkeypatch.setattr(hf.MaskReading, "__init__", counted)
+    with torch.inference_mode():
+        state = model.new_state(1)
+        model.forward(torch.tensor([prompt(40, 1)]), state)
+        assert len(readings) == 2
+        model.forward(torch.tensor([prompt(3, 2)]), state)
+        assert len(readings) == 4
+    mask = torch.zeros(1, 1, 3, 300)  # a mask from elsewhere is read afresh each time
+    assert hf.MaskReading.of(mask).spans == [(0, 300)]
+    mask[..., :100] = torch.finfo(mask.dtype).min
+    assert hf.MaskReading.of(mask).spans == [(100, 300)]
+
+
 def test_short_forwards_read_only_the_sliding_window(monkeypatch):
     """A verify-sized forward in bfloat16: the sliding layer's SDPA reads only the slots its
     window opens, the full layer all of them."""

@@ -84,10 +84,15 @@ class MaskReading:
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> "MaskReading":
-        reading = getattr(mask, "_speculative_reading", None)
-        if reading is None:
-            reading = mask._speculative_reading = cls(mask)
-        return reading
+        """The reading `attach` left on the mask, or else a new one."""
+        return getattr(mask, "_speculative_reading", None) or cls(mask)
+
+    @classmethod
+    def attach(cls, mask: torch.Tensor) -> torch.Tensor:
+        """Keep the mask's reading on it: for masks no one writes after (HFModel's own, made
+        for each forward)."""
+        mask._speculative_reading = cls(mask)
+        return mask
 
     def visible_from(self, first: int) -> torch.Tensor:
         """Which slots from `first` each query sees (B, T, S'), padded with hidden slots to
@@ -198,8 +203,8 @@ class HFModel:
         blocked = torch.finfo(self.dtype).min
 
         def additive(allowed):
-            return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
-                ~allowed, blocked)[:, None]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, blocked)
+            return MaskReading.attach(mask[:, None]) if self._blocked else mask[:, None]
 
         masks = {"full_attention": additive(visible)}
         if "sliding_attention" in self.layer_types:
