@@ -10,7 +10,8 @@
 // of the screen's best token (the row's largest a, the first at ties; scored as exact_scores
 // scores it, plus its bias) less rounding * (|e| + 1): no token whose exact score rounds to e
 // or more lies under it. (The screen's own lower bound, best - b_best, sits about b_best lower:
-// it let through 2-3 times as many candidates.) A row with a NaN anywhere gets none. Tokens
+// on Gemma 3's decoding it let through 25-75 times as many.) A row with a NaN anywhere gets
+// none, as does one whose e is NaN (a NaN weight: the engine ends such rows). Tokens
 // are first compared, in float32, with a threshold below every candidate's (from the widest p
 // of any token), then checked in float64.
 //
