@@ -89,6 +89,23 @@ def test_float32_logits_are_transformers_past_the_window(checkpoints):
     assert (whole - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_run_compiled_and_compute_pytorchs_formula(checkpoints, dtype):
+    from speculative.models.gemma3 import GemmaRMSNorm
+    from speculative.models.int8_kernel import compiled_ops
+    ops = compiled_ops()
+    if ops is None:
+        pytest.skip("the compiled kernels do not build here")
+    model = load_model(checkpoints["target"][0], dtype=str(dtype).removeprefix("torch."))
+    norms = [module for module in model.modules() if isinstance(module, GemmaRMSNorm)]
+    assert len(norms) == 6 * len(LAYERS) + 1 and all(norm.compiled is ops for norm in norms)
+    x = torch.randn(3, 5, 64).to(dtype)
+    compiled = norms[0](x)
+    norms[0].compiled = None
+    torch.testing.assert_close(compiled, norms[0](x), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    assert compiled.dtype == dtype
+
+
 def test_bfloat16_keeps_float32_norms_and_follows_transformers(checkpoints):
     path, reference = checkpoints["target"]
     model = load_model(path, dtype="bfloat16")
@@ -109,6 +126,23 @@ def test_what_the_decoder_does_not_compute_loads_through_transformers(tmp_path, 
     gemma(5, hidden=32, head_dim=16, layers=LAYERS[:2], **options).save_pretrained(tmp_path / "m")
     assert native_config(json.loads((tmp_path / "m" / "config.json").read_text())) is None
     assert isinstance(load_model(tmp_path / "m", dtype="float32"), HFModel)
+
+
+def test_transformers_gemma_norms_are_swapped_for_compiled_ones_with_their_logits(tmp_path):
+    from speculative.models.gemma3 import GemmaRMSNorm
+    from speculative.models.int8_kernel import compiled_ops
+    if compiled_ops() is None:
+        pytest.skip("the compiled kernels do not build here")
+    reference = gemma(5, hidden=32, head_dim=16, layers=LAYERS[:2], final_logit_softcapping=30.0)
+    reference.save_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m", dtype="float32")
+    norms = [module for module in model.modules() if isinstance(module, GemmaRMSNorm)]
+    assert len(norms) == 6 * 2 + 1 and all(norm.compiled is not None for norm in norms)
+    ids = torch.tensor([prompt(20, 7)])
+    with torch.inference_mode():
+        assert (model.forward(ids, model.new_state(1, 20)) - reference(ids).logits).abs().max() < 1e-4
+    unpacked = load_model(tmp_path / "m", dtype="float32", pack=False)  # for saving: transformers' own
+    assert not any(isinstance(module, GemmaRMSNorm) for module in unpacked.modules())
 
 
 def test_a_bad_layer_count_is_named(tmp_path):
@@ -211,6 +245,29 @@ def test_attention_skipping_leading_hidden_blocks_keeps_the_bits():
     one = cached_attention(queries[:, :, 4:5], keys[:, :, KEY_BLOCK:], values[:, :, KEY_BLOCK:],
                            mask[None, 4:5, KEY_BLOCK:])
     assert torch.equal(one, whole[:, :, 4:5])
+
+
+def test_a_prompts_query_blocks_read_only_the_key_blocks_they_see(monkeypatch):
+    """A forward of several query blocks (a prompt, causal, in a sliding window) gives each query
+    the bits of a one-query forward over every slot, and a query block reads no key block past
+    the last one it sees: NaN keys and values there would make its outputs NaN."""
+    import speculative.models.attention as attention
+    monkeypatch.setattr(attention, "KEY_BLOCK", 16)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    gen = torch.Generator().manual_seed(1)
+    slots, window = 64, 20
+    keys, values = (torch.randn(1, 1, slots, 32, generator=gen) for _ in range(2))
+    positions = torch.arange(45)
+    mask = (torch.arange(slots) <= positions[:, None]) & (torch.arange(slots) > positions[:, None] - window)
+    queries = torch.randn(1, 2, len(positions), 32, generator=gen)
+    prompt = attention.cached_attention(queries, keys, values, mask[None])
+    for t in range(len(positions)):
+        alone = attention.cached_attention(queries[:, :, t:t + 1], keys, values, mask[None, t:t + 1])
+        assert torch.equal(prompt[:, :, t:t + 1], alone)
+    unseen = 32  # the first key block that no query of the first four blocks (queries 0-31) sees
+    keys[:, :, unseen:], values[:, :, unseen:] = float("nan"), float("nan")
+    prompt = attention.cached_attention(queries, keys, values, mask[None])
+    assert torch.isfinite(prompt[:, :, :unseen]).all()
 
 
 @pytest.fixture

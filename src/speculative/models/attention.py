@@ -1,4 +1,4 @@
-"""Attention over a position-indexed KV cache, the same bits at every width.
+"""Attention over a position-indexed KV cache, the same bits at every width (float32).
 
 The cache (`KVState`) holds each row's keys and values at their positions, in whole
 KEY_BLOCKs of slots; `cached_attention` gives a token the bits that a forward of that token
@@ -10,6 +10,7 @@ come from float32 tables (`rope_table`) and `rotate`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Attention reads keys in spans of whole blocks of this many slots (see `Attention`).
 KEY_BLOCK = 512
@@ -75,7 +76,7 @@ MIN_ROWS = 16
 def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """Attention (B, H, T, D) of queries q (B, H, T, D) over keys and values (B, H_kv, S, D)
-    where mask (B, T, S) is True, as explicit products and a softmax over all S slots.
+    where mask (B, T, S) is True, as explicit products and a softmax over the slots.
 
     Width-invariant, bit for bit: a query's scores and output come out of products whose
     reductions (over D, then over S) run the same whatever the other rows of the call
@@ -83,24 +84,63 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     forward gives each token what a forward of that token alone gives, provided S is the
     same or differs by whole key blocks at either end (tests/test_int8.py). PyTorch's fused kernel
     splits its work by the number of queries, so its rounding depends on the width.
-    `scale` multiplies the queries (default 1/sqrt(D))."""
+    `scale` multiplies the queries (default 1/sqrt(D)).
+
+    A forward of several blocks of queries (a prompt) scores each block over the key blocks
+    its queries see, from the first to the last (`seen_blocks`): by the same property, the
+    same bits as over all S, for half the work or less on a causal or sliding-window mask."""
     batch, heads, width, dim = q.shape
-    kv_heads, slots = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
     for start in range(0, width, QUERY_BLOCK):
         block = q[:, :, start:start + QUERY_BLOCK]
         rows = block.shape[2]
+        seen = mask[:, start:start + rows]
+        if width > QUERY_BLOCK:
+            first, last = seen_blocks(seen)
+            seen, block_keys, block_values = seen[..., first:last], keys[:, :, first:last], values[:, :, first:last]
+        else:
+            block_keys, block_values = keys, values
         grouped = (block * (dim ** -0.5 if scale is None else scale)).reshape(batch, kv_heads, group * rows, dim)
         padding = MIN_ROWS - group * rows
         if padding > 0:
             grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padding, dim)], 2)
-        scores = grouped @ keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S)
-        hidden = ~mask[:, None, None, start:start + rows]  # (B, 1, 1, t, S)
-        scores[:, :, :group * rows].view(batch, kv_heads, group, rows, slots).masked_fill_(hidden, float("-inf"))
-        mixed = blockwise_product(torch.softmax(scores, -1), values)  # (B, H_kv, g*t + padding, D)
+        scores = grouped @ block_keys.transpose(-1, -2)  # (B, H_kv, g*t + padding, S')
+        hidden = ~seen[:, None, None]  # (B, 1, 1, t, S')
+        scores[:, :, :group * rows].view(batch, kv_heads, group, rows, -1).masked_fill_(hidden, float("-inf"))
+        mixed = blockwise_product(torch.softmax(scores, -1), block_values)  # (B, H_kv, g*t + padding, D)
         out[:, :, start:start + rows] = mixed[:, :, :group * rows].reshape(batch, heads, rows, dim)
     return out
+
+
+def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """`cached_attention`'s arguments through PyTorch's fused kernel (16-bit activations, whose
+    rounding depends on the width anyway): a forward of several blocks of queries (a prompt)
+    attends by blocks of QUERY_BLOCK queries, each over the key blocks it sees (`seen_blocks`)."""
+    gqa = keys.shape[1] != q.shape[1]
+    if q.shape[2] <= QUERY_BLOCK:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa, scale=scale)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[2], QUERY_BLOCK):
+        seen = mask[:, start:start + QUERY_BLOCK]
+        first, last = seen_blocks(seen)
+        out[:, :, start:start + QUERY_BLOCK] = F.scaled_dot_product_attention(
+            q[:, :, start:start + QUERY_BLOCK], keys[:, :, first:last], values[:, :, first:last],
+            attn_mask=seen[:, None, :, first:last], enable_gqa=gqa, scale=scale)
+    return out
+
+
+def seen_blocks(seen: torch.Tensor) -> tuple[int, int]:
+    """The slots [first, last) of the key blocks from the first that a query sees to the last
+    one sees (to S at most), for queries' masks `seen` (B, T, S); all S when no query sees
+    a slot."""
+    slots = seen.shape[-1]
+    open_slots = seen.any(1).any(0).nonzero()
+    if len(open_slots) == 0:
+        return 0, slots
+    return int(open_slots[0]) // KEY_BLOCK * KEY_BLOCK, min(whole_blocks(int(open_slots[-1]) + 1), slots)
 
 
 def blockwise_product(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

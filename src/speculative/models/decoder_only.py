@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import KVState, SlotWrite, cached_attention, key_slots, rope_table, rotate, tree_mask, whole_blocks
+from .attention import (KVState, SlotWrite, cached_attention, fused_attention, key_slots, rope_table, rotate, tree_mask,
+                        whole_blocks)
 from .base import OutputHead, check_lengths, output, valid_counts
 from .decoder_config import DecoderOnlyConfig
 
@@ -103,7 +104,8 @@ class Attention(nn.Module):
 
         With a cache, the queries attend over the slots of the slice `slots` (whole
         KEY_BLOCKs), as `mask` (B, T, those slots) allows: in float32 by `cached_attention`, which gives every
-        token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel;
+        token the bits it gets in a forward of its own; in 16 bits by PyTorch's fused kernel
+        (`fused_attention`);
         in an int8 or k-quant model by one compiled call (`use_compiled_blocks`)."""
         batch, width, _ = x.shape
         if cache is not None and self.compiled is not None:  # rotation, cache write and attention in one call
@@ -113,8 +115,8 @@ class Attention(nn.Module):
                                                 self.num_heads, self.num_kv_heads, scale, "auto")
             return self.o_proj(out)
         q, k, v = self.project(x, cos, sin)
-        gqa = self.num_kv_heads != self.num_heads
         if cache is None:
+            gqa = self.num_kv_heads != self.num_heads
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
         else:
             write, cache_k, cache_v, slots, mask = cache
@@ -123,9 +125,7 @@ class Attention(nn.Module):
             if q.dtype == torch.float32:
                 out = cached_attention(q, cache_k[:, :, slots], cache_v[:, :, slots], mask, self.scale)
             else:
-                out = F.scaled_dot_product_attention(q, cache_k[:, :, slots], cache_v[:, :, slots],
-                                                     attn_mask=mask[:, None], enable_gqa=gqa,
-                                                     scale=self.scale)  # (B, H, T, D)
+                out = fused_attention(q, cache_k[:, :, slots], cache_v[:, :, slots], mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 

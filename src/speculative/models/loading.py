@@ -28,7 +28,9 @@ from ..core.inputs import check_device
 from . import presets
 from . import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin
 from .argmax_screen import prepare_screen
+from .gemma3 import compile_transformers_norms
 from .head import HEAD_TYPE, load_head
+from .hf import HFModel
 from .int8 import quantize_model
 from .kernels import int8_available, pack_linears, packing_available
 from .native import generation_eos, load_native, native_config
@@ -81,11 +83,11 @@ def load_model(name_or_path, device="cpu", dtype="auto", pack: bool | None = Non
     `dtype`: "auto" (what this device runs fast, logged with why on the "speculative" logger),
     "gguf", "int8" (`models/int8.py`), "float32", "bfloat16", "float16" or a torch dtype. Llama and Qwen2
     checkpoints run on the built-in decoder (`models/native.py`), other transformers
-    models through transformers. `pack`: oneDNN linear layers for float32 and bfloat16 on
-    CPUs, and fused projections in the built-in decoder (None: wherever available); a packed
-    model is for inference only (as a GGUF's blocks are, which auto then never picks), so pass
-    False to save, export or train with it. A packed model's large output layer gets its argmax
-    screen now (`argmax_screen.py`; 0.2-0.4 s for Gemma 3 270M), not in its first greedy request."""
+    models through transformers. `pack`: oneDNN linear layers for float32 and bfloat16 on CPUs, fused
+    projections in the built-in decoder and transformers' Gemma 3 norms compiled (None: wherever
+    available); a packed model is for inference only (as a GGUF's blocks are, which auto then never
+    picks), so pass False to save, export or train with it. A packed model's large output layer gets
+    its argmax screen now (`argmax_screen.py`; 0.2-0.4 s for Gemma 3 270M), not in its first request."""
     return _load(name_or_path, device, dtype, pack, screen=True)
 
 
@@ -206,10 +208,10 @@ def linear_weights(module: torch.nn.Module) -> int:
 
 
 def _prepare(module: torch.nn.Module, name, pack: bool | None, int8: bool, screen: bool = False) -> None:
-    """For inference: int8 layers, or fused projections (built-in decoder) and oneDNN linear
-    layers, before any wrapper sees the layers (the output layer keeps its float weight: a
-    reduced draft vocabulary takes rows from it), and with `screen` the output layer's argmax
-    screen where one pays."""
+    """For inference: int8 layers, or fused projections (built-in decoder), oneDNN linear layers and
+    transformers' Gemma 3 norms compiled, before any wrapper sees the layers (the output layer keeps its
+    float weight: a reduced draft vocabulary takes rows from it), and with `screen` the output layer's
+    argmax screen where one pays."""
     dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
     if int8:
         log.info("%s: %d layers in int8", name, quantize_model(module))
@@ -221,6 +223,8 @@ def _prepare(module: torch.nn.Module, name, pack: bool | None, int8: bool, scree
     if pack or pack is None and linear_weights(module) >= SMALL_MODEL and packing_available(dtype, device):
         log.info("%s: %d %s linear layers on oneDNN", name, pack_linears(module, keep_weight=head()),
                  str(dtype).removeprefix("torch."))
+    if pack is not False and (norms := compile_transformers_norms(module)):
+        log.info("%s: %d norms compiled", name, norms)
     if screen and pack is not False and prepare_screen(head()):
         log.info("%s: output layer screened for greedy rows", name)
 
@@ -357,8 +361,6 @@ def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
     _offline()
     from transformers import AutoModelForCausalLM
 
-    from .hf import HFModel
-
     if not any(path.glob("*.safetensors")):
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise ValueError(f"{path} holds only pickled weights (.bin/.pt); only safetensors are loaded")
@@ -385,8 +387,6 @@ def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     from transformers import AutoModelForCausalLM
-
-    from .hf import HFModel
 
     try:  # the GGUF reader's errors (struct, numpy) do not name the file
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,

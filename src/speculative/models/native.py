@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
-from .gemma3 import FULL, SLIDING, SLIDING_PATTERN, Gemma3Config
+from .gemma3 import FULL, SLIDING, SLIDING_PATTERN, Gemma3Config, Gemma3LM
 from .int8 import load_cached, model_class
+from .int8_kernel import compiled_ops
 from .smoothing import SmoothedReader, calibration_ids
 
 log = logging.getLogger("speculative")
@@ -136,6 +137,8 @@ def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, 
             setattr(module, leaf, nn.Parameter(read(name).to(device=device, dtype=kind), requires_grad=False))
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    if isinstance(model, Gemma3LM):  # its norms compute in float32 in every dtype: compiled where that builds
+        model.use_compiled_blocks(compiled_ops())
     return model.eval()
 
 
