@@ -2,8 +2,8 @@
 
 Gemma 3 270M loads natively (models/gemma3.py) by default; transformers' generate needs its
 own module, so both sides here run the transformers module that `load_model` would wrap
-(HFModel over Gemma3ForCausalLM, the same packed layers): per forward they pay the same,
-and what differs is drafting. Our native model runs beside them for reference.
+(HFModel over Gemma3ForCausalLM, the same packed layers and compiled norms): per forward they
+pay the same, and what differs is drafting. Our native model runs beside them for reference.
 
 Fairness: in bfloat16, near-ties (top two logits one bfloat16 step apart) can make a method's
 text leave greedy decoding, and a different text is a different amount of work. Each method's

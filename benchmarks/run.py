@@ -10,7 +10,7 @@
     python benchmarks/run.py heads-128     # default-head on the default section's workload (128 new tokens)
     python benchmarks/run.py heads-gemma   # Gemma 3 270M with its draft head: chat and grounded editing
     python benchmarks/run.py heads-gemma-chat   # only its chat part (or heads-gemma-grounded; -float32: in float32)
-    python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: block attention vs plain SDPA
+    python benchmarks/run.py prefill-gemma # Gemma 3 270M reading long prompts: key blocks read, norms compiled
     python benchmarks/run.py verify-cost-gemma  # Gemma's forward cost by width, float32 against bfloat16 (or -qwen)
     python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
     python benchmarks/run.py trees-tau  # model trees' tau against chains of the same width, 40 prompts, untimed
@@ -31,6 +31,7 @@ import io
 import json
 import os
 import subprocess
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -153,35 +154,75 @@ def section_gemma(dtype="auto"):
     save("gemma" if dtype == "auto" else f"gemma-{dtype}", report)
 
 
-def section_prefill_gemma(runs=3):
-    """Gemma 3 270M reading the grounded-editing prompts (636-1,538 tokens) with block attention
-    (speculative.models.hf) against transformers' plain SDPA: the same model, its attention
-    switched between timings, rounds interleaved, medians; the first token's logits compared."""
-    from speculative.models.base import prefill
-    from speculative.models.hf import BLOCK_ATTENTION
+PREFILL_WAYS = ("whole span, PyTorch's norms", "seen key blocks, PyTorch's norms", "seen key blocks, compiled norms")
 
-    target = load_model("gemma-3-270m")
-    ids = prompts("grounded_editing.jsonl", target.tokenizer)
-    seconds, logits = {"sdpa": [], BLOCK_ATTENTION: []}, {}
-    for _ in range(runs + 1):  # the first round warms up
-        for implementation in seconds:
-            target.model.set_attn_implementation(implementation)
-            started = time.perf_counter()
-            with torch.inference_mode():
-                for p in ids:
-                    state = prefill(target, [p], len(p) + 1)
-                    logits.setdefault(implementation, []).append(target.forward(torch.tensor([p[-1:]]), state)[0, -1])
-            seconds[implementation].append(time.perf_counter() - started)
-    median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in seconds.items()}
-    same = all(bool(a.argmax() == b.argmax()) for a, b in zip(logits["sdpa"], logits[BLOCK_ATTENTION]))
-    difference = max(float((a - b).abs().max()) for a, b in zip(logits["sdpa"], logits[BLOCK_ATTENTION]))
-    report = {"title": "Gemma 3 270M reading the grounded-editing prompts: block attention against plain SDPA",
-              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": runs,
-              "prompt_tokens": [len(p) for p in ids], "seconds": seconds, "median_seconds": median,
-              "speedup": median["sdpa"] / median[BLOCK_ATTENTION], "same_next_token": same,
-              "largest_logit_difference": difference}
-    print(json.dumps({k: report[k] for k in ("median_seconds", "speedup", "same_next_token",
-                                             "largest_logit_difference")}, indent=1))
+
+def section_prefill_gemma(runs=3):
+    """Gemma 3 270M (the built-in decoder) reading the grounded-editing prompts (636-1,538
+    tokens), in float32 and bfloat16: each block of queries over every key slot, as before
+    2026-12-06 (PyTorch's fused kernel, which bfloat16 ran, splits queries so itself), against
+    each over the key blocks it sees (`attention.seen_blocks`), without and with the compiled
+    norms; after each prompt, forwards of 1 and 16 tokens (greedy rows: the output layer's
+    screen), rolled back. The same model, switched between timings, rounds interleaved,
+    medians; the logits after every prompt compared with the whole span's."""
+    import speculative.models.attention as attention
+    from speculative.models.base import prefill
+    from speculative.models.gemma3 import GemmaRMSNorm
+
+    def steps(target, state, p, times):
+        for width, repeat in ((1, 4), (16, 2)):
+            for r in range(repeat):
+                length = state.lengths[0]
+                started = time.perf_counter()
+                target.forward(torch.tensor([p[16 * r:16 * r + width]]), state, argmax_rows=[True])
+                times[width].append(time.perf_counter() - started)
+                target.rollback(state, [length])
+
+    trimmed = attention.seen_blocks
+    report = {"title": "Gemma 3 270M reading the grounded-editing prompts: key blocks and norms",
+              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": runs, "dtypes": {}}
+    for dtype in ("float32", "bfloat16"):
+        target = load_model("gemma-3-270m", dtype=dtype)
+        norms = [m for m in target.modules() if isinstance(m, GemmaRMSNorm)]
+        ops = norms[0].compiled
+        ids = prompts("grounded_editing.jsonl", target.tokenizer)
+        seconds, logits = {way: [] for way in PREFILL_WAYS}, {}
+        forwards = {way: {1: [], 16: []} for way in PREFILL_WAYS}
+        for round_ in range(runs + 1):  # the first round warms up
+            for way in PREFILL_WAYS[round_ % 3:] + PREFILL_WAYS[:round_ % 3]:
+                attention.seen_blocks = trimmed if "seen" in way else (lambda seen: (0, seen.shape[-1]))
+                for norm in norms:
+                    norm.compiled = ops if "compiled" in way else None
+                elapsed, last = 0.0, []
+                with torch.inference_mode():
+                    for p in ids:
+                        started = time.perf_counter()
+                        state = prefill(target, [p], len(p) + 32)
+                        last.append(target.forward(torch.tensor([p[-1:]]), state)[0, -1])
+                        elapsed += time.perf_counter() - started
+                        steps(target, state, p, forwards[way] if round_ else {1: [], 16: []})
+                seconds[way].append(elapsed)
+                logits[way] = last
+        attention.seen_blocks = trimmed
+        for norm in norms:
+            norm.compiled = ops
+        median = {way: sorted(v[1:])[len(v[1:]) // 2] for way, v in seconds.items()}
+        before = PREFILL_WAYS[0]
+        report["prompt_tokens"] = [len(p) for p in ids]
+        report["dtypes"][dtype] = {
+            "seconds": seconds, "median_seconds": median,
+            "speedup": {way: median[before] / median[way] for way in PREFILL_WAYS},
+            "forward_ms": {way: {width: 1000 * statistics.median(times) for width, times in forwards[way].items()}
+                           for way in PREFILL_WAYS},
+            "same_logits": {way: all(torch.equal(a, b) for a, b in zip(logits[before], logits[way]))
+                            for way in PREFILL_WAYS},
+            "same_next_token": {way: all(bool(a.argmax() == b.argmax()) for a, b in zip(logits[before], logits[way]))
+                                for way in PREFILL_WAYS},
+            "largest_logit_difference": {way: max(float((a - b).abs().max()) for a, b in zip(logits[before],
+                                                                                              logits[way]))
+                                         for way in PREFILL_WAYS}}
+        print(dtype, json.dumps(report["dtypes"][dtype]["speedup"]), json.dumps(report["dtypes"][dtype]["forward_ms"]),
+              flush=True)
     save("prefill-gemma", report)
 
 
@@ -597,12 +638,21 @@ def render() -> str:
     path = RESULTS / "prefill-gemma.json"
     if path.is_file():
         p = json.loads(path.read_text())
-        tokens, seconds = p["prompt_tokens"], p["median_seconds"]
-        parts.append(f"### {p['title']}\n\n{len(tokens)} prompts of {min(tokens):,}-{max(tokens):,} tokens read one "
-                     f"by one, medians of {p['runs']} interleaved rounds: plain SDPA {seconds['sdpa']:.2f} s, block "
-                     f"attention {seconds['speculative_block_sdpa']:.2f} s (**{p['speedup']:.2f}x**); the next token "
-                     f"after every prompt the same: {'yes' if p['same_next_token'] else 'NO'} (largest logit "
-                     f"difference {p['largest_logit_difference']:.1e}).\n")
+        tokens = p["prompt_tokens"]
+        parts.append(f"### {p['title']}\n\n{p['machine']}, {p['date']}: {len(tokens)} prompts of {min(tokens):,}-"
+                     f"{max(tokens):,} tokens read one by one, medians of {p['runs']} interleaved rounds; logits "
+                     f"after each prompt compared with the whole span's.\n")
+        parts.append("| dtype | way | prompts (s) | speedup | forward of 1 / 16 tokens after (ms) | the same logits "
+                     "| the same next token |")
+        parts.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for dtype, entry in p["dtypes"].items():
+            for way, secs in entry["median_seconds"].items():
+                same = "bit for bit" if entry["same_logits"][way] else \
+                    f"no (largest difference {entry['largest_logit_difference'][way]:.1e})"
+                step = entry["forward_ms"][way]
+                parts.append(f"| {dtype} | {way} | {secs:.2f} | {entry['speedup'][way]:.2f}x | {step['1']:.1f} / "
+                             f"{step['16']:.1f} | {same} | {'yes' if entry['same_next_token'][way] else 'NO'} |")
+        parts.append("")
     for name in ("verify-cost-gemma", "verify-cost-qwen"):
         path = RESULTS / f"{name}.json"
         if path.is_file():
