@@ -30,8 +30,8 @@ import importlib.util
 import io
 import json
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import tarfile
 import tempfile
