@@ -99,11 +99,23 @@ def test_norms_run_compiled_and_compute_pytorchs_formula(checkpoints, dtype):
     model = load_model(checkpoints["target"][0], dtype=str(dtype).removeprefix("torch."))
     norms = [module for module in model.modules() if isinstance(module, GemmaRMSNorm)]
     assert len(norms) == 6 * len(LAYERS) + 1 and all(norm.compiled is ops for norm in norms)
+    calls = []
+
+    class Counted:  # the compiled operations, counting the norms they compute
+        def block_rms_norm(self, *args):
+            calls.append(args[0].shape)
+            return ops.block_rms_norm(*args)
+
+    norms[0].compiled = Counted()
     x = torch.randn(3, 5, 64).to(dtype)
     compiled = norms[0](x)
+    assert calls == [(3, 5, 64)] and compiled.dtype == dtype
+    x.requires_grad_(True)  # a norm that autograd needs runs PyTorch's, which has a gradient
+    norms[0](x).sum().backward()
+    assert len(calls) == 1 and x.grad is not None
     norms[0].compiled = None
-    torch.testing.assert_close(compiled, norms[0](x), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
-    assert compiled.dtype == dtype
+    torch.testing.assert_close(compiled, norms[0](x.detach()), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                               atol=1e-6)
 
 
 def test_bfloat16_keeps_float32_norms_and_follows_transformers(checkpoints):
