@@ -93,15 +93,8 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    for start in range(0, width, QUERY_BLOCK):
-        block = q[:, :, start:start + QUERY_BLOCK]
+    for start, block, block_keys, block_values, seen in query_blocks(q, keys, values, mask):
         rows = block.shape[2]
-        seen = mask[:, start:start + rows]
-        if width > QUERY_BLOCK:
-            first, last = seen_blocks(seen)
-            seen, block_keys, block_values = seen[..., first:last], keys[:, :, first:last], values[:, :, first:last]
-        else:
-            block_keys, block_values = keys, values
         grouped = (block * (dim ** -0.5 if scale is None else scale)).reshape(batch, kv_heads, group * rows, dim)
         padding = MIN_ROWS - group * rows
         if padding > 0:
@@ -123,13 +116,21 @@ def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     if q.shape[2] <= QUERY_BLOCK:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=gqa, scale=scale)
     out = torch.empty_like(q)
-    for start in range(0, q.shape[2], QUERY_BLOCK):
-        seen = mask[:, start:start + QUERY_BLOCK]
-        first, last = seen_blocks(seen)
-        out[:, :, start:start + QUERY_BLOCK] = F.scaled_dot_product_attention(
-            q[:, :, start:start + QUERY_BLOCK], keys[:, :, first:last], values[:, :, first:last],
-            attn_mask=seen[:, None, :, first:last], enable_gqa=gqa, scale=scale)
+    for start, block, block_keys, block_values, seen in query_blocks(q, keys, values, mask):
+        out[:, :, start:start + block.shape[2]] = F.scaled_dot_product_attention(
+            block, block_keys, block_values, attn_mask=seen[:, None], enable_gqa=gqa, scale=scale)
     return out
+
+
+def query_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+    """(start, queries, keys, values, mask) for each block of QUERY_BLOCK queries; when there are
+    several (a prompt), each block's keys, values and mask cut to the key blocks it sees."""
+    width = q.shape[2]
+    for start in range(0, width, QUERY_BLOCK):
+        seen = mask[:, start:start + QUERY_BLOCK]
+        first, last = seen_blocks(seen) if width > QUERY_BLOCK else (0, seen.shape[-1])
+        yield (start, q[:, :, start:start + QUERY_BLOCK], keys[:, :, first:last], values[:, :, first:last],
+               seen[..., first:last])
 
 
 def seen_blocks(seen: torch.Tensor) -> tuple[int, int]:
