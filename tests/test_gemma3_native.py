@@ -282,6 +282,32 @@ def test_a_prompts_query_blocks_read_only_the_key_blocks_they_see(monkeypatch):
     assert torch.isfinite(prompt[:, :, :unseen]).all()
 
 
+@pytest.mark.parametrize("width", [1, 3, 20])
+def test_fused_attention_gives_each_head_its_key_value_head_and_each_query_its_mask(monkeypatch, width):
+    """16-bit attention (PyTorch's kernel; queries of the heads sharing a key/value head go in
+    as rows of that head up to one query block, by blocks past it) against float64 arithmetic:
+    4 query heads over 2 key/value heads, each query with its own causal sliding-window mask.
+    A head read against the other key/value head, or a query given another's mask, is off by
+    far more than bfloat16's rounding."""
+    import speculative.models.attention as attention
+    monkeypatch.setattr(attention, "KEY_BLOCK", 16)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    gen = torch.Generator().manual_seed(2)
+    slots, window, dim = 48, 12, 32
+    positions = torch.arange(40 - width, 40)
+    mask = (torch.arange(slots) <= positions[:, None]) & (torch.arange(slots) > positions[:, None] - window)
+    keys, values = (torch.randn(1, 2, slots, dim, generator=gen) for _ in range(2))
+    queries = torch.randn(1, 4, width, dim, generator=gen)
+    half = [t.bfloat16() for t in (queries, keys, values)]
+    got = attention.fused_attention(*half, mask[None], scale=0.3)
+    q, k, v = (t.double() for t in half)
+    k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # head h reads key/value head h // 2
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    expected = scores.softmax(-1) @ v
+    assert got.dtype == torch.bfloat16 and got.shape == queries.shape
+    assert torch.allclose(got.double(), expected, atol=2e-2, rtol=0)
+
+
 @pytest.fixture
 def small_key_blocks(monkeypatch):
     """Key blocks of 16 slots, so that a sliding window of 8 leaves whole blocks behind it
