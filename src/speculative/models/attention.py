@@ -114,9 +114,9 @@ def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     attends by blocks of QUERY_BLOCK queries, each over the key blocks it sees (`seen_blocks`).
 
     Up to one block (decoding, verifying), the queries of the heads that share a key/value head
-    go in as rows of that one head, as in `cached_attention`: PyTorch's CPU kernel prepares the
-    keys once per head, which made a one-token forward's attention 7x slower than this
-    (Gemma 3 270M, bfloat16, 1,024 slots, Zen 4: 1.28 ms a layer against 0.17)."""
+    go in as rows of that one head, as in `cached_attention`: PyTorch's CPU kernel is slow on one
+    query row a head (Gemma 3 270M, bfloat16, 1,024 slots, Zen 4: 1.28 ms a layer with
+    `enable_gqa`, 0.17 ms as rows of one head)."""
     batch, heads, width, dim = q.shape
     kv_heads = keys.shape[1]
     if width <= QUERY_BLOCK:
