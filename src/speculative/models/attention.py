@@ -122,8 +122,8 @@ def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     if width <= QUERY_BLOCK:
         group = heads // kv_heads
         rows = q.reshape(batch, kv_heads, group * width, dim)
-        seen = mask[:, None] if width == 1 else mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(
-            batch, 1, group * width, -1)
+        # Row g * width + t is query t of the group's head g; at width 1 this is a view, no copy.
+        seen = mask[:, None, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * width, -1)
         return F.scaled_dot_product_attention(rows, keys, values, attn_mask=seen, scale=scale).reshape(
             batch, heads, width, -1)
     gqa = kv_heads != heads
