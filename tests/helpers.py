@@ -75,3 +75,33 @@ class TableModel:
     def select_rows(self, state, rows):
         state.lengths = [state.lengths[r] for r in rows]
         state.tokens = [state.tokens[r] for r in rows]
+
+
+def reads_prompts_without_the_last_block(model, prompt_length: int = 37, capacity: int = 64, mlp=None,
+                                         tensors=lambda state: state.keys + state.values) -> bool:
+    """A prompt read without logits skips the last block's MLP (`mlp`, by default
+    model.layers[-1].mlp), yet leaves the cache that a read with logits leaves (`tensors` of
+    the state), to the bit, and the next forward's logits the same. Asserts what it checks;
+    True when all holds."""
+    vocab = getattr(model, "vocab_size", None) or model.cfg.vocab_size
+    mlp = model.layers[-1].mlp if mlp is None else mlp
+    gen = torch.Generator().manual_seed(prompt_length)
+    prompt, new = torch.randint(0, vocab, (1, prompt_length), generator=gen), torch.randint(0, vocab, (1, 3),
+                                                                                          generator=gen)
+    calls = []
+    hook = mlp.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with torch.inference_mode():
+            full, bare = model.new_state(1, capacity), model.new_state(1, capacity)
+            model.forward(prompt, full)
+            assert len(calls) == 1
+            assert model.forward(prompt, bare, keep_logits=False) is None
+            assert len(calls) == 1, "the last block's MLP ran for a prompt that needs no logits"
+            assert bare.lengths == full.lengths
+            assert len(tensors(bare)) == len(tensors(full)) > 0
+            for ours, theirs in zip(tensors(bare), tensors(full)):
+                assert torch.equal(ours, theirs)
+            assert torch.equal(model.forward(new, bare), model.forward(new, full))
+    finally:
+        hook.remove()
+    return True

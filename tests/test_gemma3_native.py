@@ -118,6 +118,15 @@ def test_norms_run_compiled_and_compute_pytorchs_formula(checkpoints, dtype):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", pytest.param("int8", marks=needs_int8)])
+def test_a_prompt_without_logits_skips_the_last_blocks_outputs_with_the_same_cache(checkpoints, cache, dtype):
+    from tests.helpers import reads_prompts_without_the_last_block
+
+    model = load_model(checkpoints["target"][0], dtype=dtype)
+    assert isinstance(model, Gemma3LM)
+    assert reads_prompts_without_the_last_block(model, prompt_length=29)  # past the window: sliding layers
+
+
 def test_bfloat16_keeps_float32_norms_and_follows_transformers(checkpoints):
     path, reference = checkpoints["target"]
     model = load_model(path, dtype="bfloat16")

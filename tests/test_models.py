@@ -5,7 +5,7 @@ import torch
 
 from speculative import build_pair, load_model, output_size, save_model
 from speculative.models.s4d import SHORT_CHUNK
-from tests.helpers import tiny
+from tests.helpers import reads_prompts_without_the_last_block, tiny
 
 TYPES = ["decoder_only", "s4d"]
 
@@ -30,6 +30,23 @@ def test_recurrent_steps_equal_parallel_forward(model_type):
     chunks, _ = run(model, list(ids.split(5, dim=1)))
     torch.testing.assert_close(steps, whole, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(chunks, whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["float32", "fused", "bfloat16", "int8"])
+def test_a_prompt_without_logits_skips_the_last_blocks_outputs_with_the_same_cache(tmp_path, variant):
+    model = tiny("decoder_only", seed=3, num_kv_heads=2)
+    if variant == "fused":
+        model.fuse()
+    elif variant == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif variant == "int8":
+        from speculative.models.kernels import int8_available
+
+        if not int8_available("cpu"):
+            pytest.skip("this torch build has no fbgemm")
+        save_model(model, tmp_path / "m")
+        model = load_model(tmp_path / "m", dtype="int8")  # fused, the compiled attention where it builds
+    assert reads_prompts_without_the_last_block(model)
 
 
 @pytest.mark.parametrize("model_type", TYPES)

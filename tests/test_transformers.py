@@ -325,3 +325,48 @@ def test_short_forwards_read_only_the_sliding_window(monkeypatch):
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
         model.forward(torch.tensor([prompt(3, 2)]), state)
     assert widths == [6 + 2, 73]  # queries at 70..72 see 65..72 through the window; all 73 slots
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama bfloat16", "gemma3", "gemma3 sliding last"])
+def test_a_prompt_without_logits_skips_the_last_layers_attention_and_mlp_with_the_same_cache(kind, monkeypatch):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from speculative.models.hf import HFModel
+    from tests.helpers import reads_prompts_without_the_last_block
+
+    if kind.startswith("llama"):
+        module = llama(7)
+    else:
+        torch.manual_seed(7)
+        last = "sliding_attention" if "sliding" in kind else "full_attention"
+        module = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=6, layer_types=["sliding_attention", last],
+            max_position_embeddings=256)).eval()
+    if "bfloat16" in kind:
+        module = module.to(torch.bfloat16)
+    model = HFModel(module)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    model_layers = module.model.layers
+    tensors = lambda state: [t for pair in HFModel._tensors(state) for t in pair]  # noqa: E731
+    assert reads_prompts_without_the_last_block(model, mlp=model_layers[-1].mlp, tensors=tensors)
+    # Nor is the last layer's attention computed: a prompt of two query blocks, SDPA by blocks.
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    ids = torch.tensor([prompt(140, 3)])
+    with torch.inference_mode():
+        model.forward(ids, model.new_state(1))
+        full = len(calls)
+        model.forward(ids, model.new_state(1), keep_logits=False)
+    assert full == 2 * len(model_layers) and len(calls) - full == 2 * (len(model_layers) - 1)
+
+
+def test_models_whose_layers_have_other_parts_read_prompts_in_full():
+    from speculative.models.hf import HFModel
+
+    model = HFModel(gpt2(8))
+    assert not model._cache_only
+    with torch.inference_mode():
+        state = model.new_state(1)
+        assert model.forward(torch.tensor([prompt(20, 4)]), state, keep_logits=False) is None
+    assert state.lengths == [20]

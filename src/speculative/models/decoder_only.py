@@ -98,9 +98,10 @@ class Attention(nn.Module):
         qk = rotate(qkv[:, :heads + kv_heads], cos, signed_sin)
         return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, outputs=True):
         """cache = (write, cache_k, cache_v, slots, mask) during generation; None scores a whole
-        sequence with plain causal attention (training).
+        sequence with plain causal attention (training). outputs=False only writes the keys and
+        values to the cache and returns None (the last layer of a prompt that needs no logits).
 
         With a cache, the queries attend over the slots of the slice `slots` (whole
         KEY_BLOCKs), as `mask` (B, T, those slots) allows: in float32 by `cached_attention`, which gives every
@@ -113,7 +114,7 @@ class Attention(nn.Module):
             scale = self.head_dim ** -0.5 if self.scale is None else self.scale
             out = self.compiled.block_attention(self.qkv_proj(x), cos, sin, cache_k, cache_v, write.targets, mask,
                                                 self.num_heads, self.num_kv_heads, scale, "auto")
-            return self.o_proj(out)
+            return self.o_proj(out) if outputs else None
         q, k, v = self.project(x, cos, sin)
         if cache is None:
             gqa = self.num_kv_heads != self.num_heads
@@ -122,6 +123,8 @@ class Attention(nn.Module):
             write, cache_k, cache_v, slots, mask = cache
             write(cache_k, k)
             write(cache_v, v)
+            if not outputs:
+                return None
             if q.dtype == torch.float32:
                 out = cached_attention(q, cache_k[:, :, slots], cache_v[:, :, slots], mask, self.scale)
             else:
@@ -165,9 +168,19 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, outputs=True):
+        """outputs=False: only this block's keys and values, written to the cache; None."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, outputs)
+        if attended is None:
+            return None
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def last_outputs(model: nn.Module, index: int, outputs: bool) -> bool:
+    """Whether block `index` must compute its outputs: every block but the last always does;
+    the last only when the forward's outputs are wanted (else it writes the cache alone)."""
+    return outputs or index < len(model.layers) - 1
 
 
 class DecoderOnlyLM(nn.Module):
@@ -298,7 +311,8 @@ class DecoderOnlyLM(nn.Module):
         Token i of row b goes to cache slot lengths[b] + i and sees the slots before it;
         `positions` (B, T) are the positions its rotary embedding encodes (default: its
         slot). Without a state, scores the tokens as whole sequences from position 0
-        (training). keep_logits=False skips the output projection (prompts need no logits);
+        (training). keep_logits=False skips the output projection (prompts need no logits),
+        and the last block's attention and MLP, whose results reach only that projection;
         return_hidden=True returns (logits or None, the final hidden states (B, T, H)).
         `tree` (B, T, W) bool, W >= T: which of the row's last W slots (this forward's T
         tokens, after the W - T slots fed just before them) each token sees (a token tree's
@@ -306,14 +320,18 @@ class DecoderOnlyLM(nn.Module):
         token still sees its row's slots before those. `argmax_rows`: see `base.output`."""
         if state is None:
             return self.lm_head(self.run_blocks(self.embed(tokens)))
-        hidden = self.run_blocks(self.embed(tokens), state, num_valid, positions, tree)
+        hidden = self.run_blocks(self.embed(tokens), state, num_valid, positions, tree, keep_logits or return_hidden)
+        if hidden is None:
+            return None
         return output(self.lm_head, hidden, keep_logits, return_hidden, argmax_rows)
 
     def run_blocks(self, x: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
-                   positions: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+                   outputs: bool = True) -> torch.Tensor | None:
         """The blocks and the final norm over input vectors x (B, T, H), appended to `state` as
         `forward` appends tokens; without a state, whole sequences from position 0 (training).
-        A draft head runs its own inputs (embeddings fused with features) through it."""
+        A draft head runs its own inputs (embeddings fused with features) through it.
+        outputs=False: the cache only (the last block writes its keys and values; None)."""
         if state is None:
             positions = torch.arange(x.shape[1], device=x.device)[None]
             return self.norm(self.apply_layers(x, positions, x.shape[1]))
@@ -342,24 +360,25 @@ class DecoderOnlyLM(nn.Module):
             mask = torch.arange(span, device=device)[None, None, :] <= slots[:, :, None]  # (B, T, span)
         else:
             mask = tree_mask(tree, torch.tensor(starts, device=device), span)
-        x = self.apply_layers(x, positions, needed, (write, span, mask), state)
+        x = self.apply_layers(x, positions, needed, (write, span, mask), state, outputs)
         state.lengths = [s + c for s, c in zip(starts, counts)]
-        return self.norm(x)
+        return None if x is None else self.norm(x)
 
     def apply_layers(self, x: torch.Tensor, positions: torch.Tensor, needed: int, attend: tuple | None = None,
-                     state: KVState | None = None) -> torch.Tensor:
+                     state: KVState | None = None, outputs: bool = True) -> torch.Tensor | None:
         """The blocks over x (B, T, H) whose rotary positions are `positions` (B, T), all below
         `needed`; with attend = (write, span, mask) (`run_blocks`), through the cache of `state`,
         else with plain causal attention. A model whose layers differ in kind (Gemma 3's
-        sliding windows) gives each kind its own table and mask here."""
+        sliding windows) gives each kind its own table and mask here. outputs=False: the last
+        block only writes its keys and values (`last_outputs`), and None comes back."""
         cos, sin = self._rope(positions, needed)
         if attend is None:
             for layer in self.layers:
                 x = layer(x, cos, sin)
             return x
         write, span, mask = attend
-        for layer, cache_k, cache_v in zip(self.layers, *state.in_use()):
-            x = layer(x, cos, sin, (write, cache_k, cache_v, slice(0, span), mask))
+        for index, (layer, cache_k, cache_v) in enumerate(zip(self.layers, *state.in_use())):
+            x = layer(x, cos, sin, (write, cache_k, cache_v, slice(0, span), mask), last_outputs(self, index, outputs))
         return x
 
     @torch.inference_mode()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import KEY_BLOCK, KVState, rope_table, rotate
-from .decoder_only import MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM
+from .decoder_only import MLP, Attention, DecoderOnlyConfig, DecoderOnlyLM, last_outputs
 from .int8_kernel import compiled_ops
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -151,8 +151,12 @@ class Gemma3Block(nn.Module):
         self.mlp = Gemma3MLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
+    def forward(self, x, cos, sin, cache=None, outputs=True):
+        """outputs=False: only this block's keys and values, written to the cache; None."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, outputs)
+        if attended is None:
+            return None
+        x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -183,15 +187,16 @@ class Gemma3LM(DecoderOnlyLM):
         return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(x.device, x.dtype)
 
     def run_blocks(self, x: torch.Tensor, state: KVState | None = None, num_valid: list[int] | None = None,
-                   positions: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+                   outputs: bool = True) -> torch.Tensor | None:
         """As DecoderOnlyLM's; without a state, whole sequences go through a cache of their own,
         whose masks give the sliding windows."""
         if state is None:
             state = self.new_state(x.shape[0], x.shape[1])
-        return super().run_blocks(x, state, num_valid, positions, tree)
+        return super().run_blocks(x, state, num_valid, positions, tree, outputs)
 
     def apply_layers(self, x: torch.Tensor, positions: torch.Tensor, needed: int, attend: tuple | None = None,
-                     state: KVState | None = None) -> torch.Tensor:
+                     state: KVState | None = None, outputs: bool = True) -> torch.Tensor | None:
         """The blocks, each kind with its rotary base and mask: a sliding layer's query at
         position p sees only the keys in slots > p - sliding_window. A slot is its key's
         position for chains, so that is exact; in a token tree an ancestor's slot is at least
@@ -214,9 +219,10 @@ class Gemma3LM(DecoderOnlyLM):
                 kinds[kind] = self._rope(positions, needed, self.cfg.sliding_rope_theta), seen
             else:
                 kinds[kind] = self._rope(positions, needed), (slice(0, span), mask)
-        for layer, kind, cache_k, cache_v in zip(self.layers, self.cfg.layer_types, *state.in_use()):
+        for index, (layer, kind, cache_k, cache_v) in enumerate(zip(self.layers, self.cfg.layer_types,
+                                                                    *state.in_use())):
             (cos, sin), (slots, seen) = kinds[kind]
-            x = layer(x, cos, sin, (write, cache_k, cache_v, slots, seen))
+            x = layer(x, cos, sin, (write, cache_k, cache_v, slots, seen), last_outputs(self, index, outputs))
         return x
 
     def use_compiled_blocks(self, ops) -> bool:

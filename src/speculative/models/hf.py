@@ -31,6 +31,9 @@ from .attention import KEY_BLOCK, cached_attention, whole_blocks
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 # The attention implementation HFModel gives models that use SDPA, and its block of queries.
 BLOCK_ATTENTION = "speculative_block_sdpa"
+# A forward's keyword for "keys and values only" (every layer passes it on; the last acts on it),
+# and the one the last layer gives its attention module (block_attention then computes nothing).
+CACHE_ONLY, NO_OUTPUT = "speculative_cache_only", "speculative_no_output"
 QUERY_BLOCK = 128
 
 
@@ -49,6 +52,8 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
     if attention_mask is None or not attention_mask.is_floating_point():
         slots = key.shape[2] if attention_mask is None else attention_mask.shape[-1]
         return sdpa_attention_forward(module, query, key[:, :, :slots], value[:, :, :slots], attention_mask, **kwargs)
+    if kwargs.get(NO_OUTPUT):  # `write_cache_only`'s last layer: the cache is written, no one reads this
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     read = MaskReading.of(attention_mask)
     if query.dtype == torch.float32 and query.shape[2] <= QUERY_BLOCK and not kwargs.get("softcap"):
         first = read.spans[0][0] // KEY_BLOCK * KEY_BLOCK
@@ -66,6 +71,32 @@ def block_attention(module, query, key, value, attention_mask, **kwargs):
                                            attention_mask[:, :, start:start + QUERY_BLOCK, first:last], **kwargs)
         outputs.append(output)  # (B, block, heads, D)
     return torch.cat(outputs, 1), None
+
+
+def write_cache_only(base) -> bool:
+    """Let the last decoder layer of `base` (transformers' layers with `input_layernorm`,
+    `self_attn` and `mlp`) skip its attention and MLP when the forward gets CACHE_ONLY: a
+    prompt read without logits needs from it only the keys and values its attention module
+    writes to the cache (the rest reaches only the output layer). The layer's own forward
+    is kept for every other call; False where the layers are not of that form."""
+    layers = getattr(base, "layers", None)
+    last = layers[-1] if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+    if last is None or not all(hasattr(last, part) for part in ("input_layernorm", "self_attn", "mlp")):
+        return False
+    full = last.forward
+    if getattr(full, CACHE_ONLY, False):  # wrapped by an earlier HFModel over the same module
+        return True
+
+    def forward(hidden_states, *args, **kwargs):
+        if not kwargs.pop(CACHE_ONLY, False):
+            return full(hidden_states, *args, **kwargs)
+        # The attention module writes the keys and values; block_attention, told NO_OUTPUT, computes nothing.
+        last.self_attn(last.input_layernorm(hidden_states), *args, **kwargs, **{NO_OUTPUT: True})
+        return hidden_states
+
+    setattr(forward, CACHE_ONLY, True)
+    last.forward = forward
+    return True
 
 
 class MaskReading:
@@ -161,6 +192,7 @@ class HFModel:
         use_block_attention(model)
         # Only block_attention reads keys past the mask: other models get transformers' cache.
         self._blocked = getattr(model.config, "_attn_implementation", None) == BLOCK_ATTENTION
+        self._cache_only = base is not None and base is not model and write_cache_only(base)
 
     def _mkl_head(self, model):
         """The output layer when it runs on MKL's float32 GEMM, else None.
@@ -254,6 +286,8 @@ class HFModel:
         if keep_logits and not (return_hidden or screened or self._head is not None):
             logits = self.model(**inputs, logits_to_keep=0).logits.float()
         else:  # without logits, no output layer at all (a prompt's: 30-50 ms in float32 for Gemma 3's)
+            if not (keep_logits or return_hidden) and self._cache_only:
+                inputs[CACHE_ONLY] = True  # nor the last layer's attention and MLP
             hidden = self.model.base_model(**inputs).last_hidden_state  # (B, T, H)
             if screened:
                 logits = screened_logits(self.model.get_output_embeddings(), hidden, argmax_rows, self._logits)
