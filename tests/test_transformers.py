@@ -234,17 +234,18 @@ def test_long_forwards_attend_by_blocks_and_match_plain_sdpa(monkeypatch):
     import copy
 
     import speculative.models.hf as hf
+    import speculative.models.hf_attention as hf_attention
     from speculative.models.base import pad
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    monkeypatch.setattr(hf, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(hf_attention, "QUERY_BLOCK", 16)
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
                               layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
     plain = Gemma3ForCausalLM(config).eval()
     blocks = hf.HFModel(copy.deepcopy(plain))
-    assert blocks.model.config._attn_implementation == hf.BLOCK_ATTENTION
+    assert blocks.model.config._attn_implementation == hf_attention.BLOCK_ATTENTION
     monkeypatch.setattr(hf, "use_block_attention", lambda model: None)
     expected = hf.HFModel(plain)  # the same adapter over plain SDPA
     assert plain.config._attn_implementation == "sdpa"
@@ -274,6 +275,7 @@ def test_each_mask_is_read_once_per_forward(monkeypatch):
     """Layers of a type share their mask object in a forward: its spans are worked out once
     (two masks, four layers); a mask the adapter did not make is read at every call."""
     import speculative.models.hf as hf
+    import speculative.models.hf_attention as hf_attention
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -282,13 +284,13 @@ def test_each_mask_is_read_once_per_forward(monkeypatch):
                               layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256)
     model = hf.HFModel(Gemma3ForCausalLM(config).eval())
     readings = []
-    original = hf.MaskReading.__init__
+    original = hf_attention.MaskReading.__init__
 
     def counted(self, mask):
         readings.append(mask.shape)
         original(self, mask)
 
-    monkeypatch.setattr(hf.MaskReading, "__init__", counted)
+    monkeypatch.setattr(hf_attention.MaskReading, "__init__", counted)
     with torch.inference_mode():
         state = model.new_state(1)
         model.forward(torch.tensor([prompt(40, 1)]), state)
@@ -296,9 +298,9 @@ def test_each_mask_is_read_once_per_forward(monkeypatch):
         model.forward(torch.tensor([prompt(3, 2)]), state)
         assert len(readings) == 4
     mask = torch.zeros(1, 1, 3, 300)  # a mask from elsewhere is read afresh each time
-    assert hf.MaskReading.of(mask).spans == [(0, 300)]
+    assert hf_attention.MaskReading.of(mask).spans == [(0, 300)]
     mask[..., :100] = torch.finfo(mask.dtype).min
-    assert hf.MaskReading.of(mask).spans == [(100, 300)]
+    assert hf_attention.MaskReading.of(mask).spans == [(100, 300)]
 
 
 def test_short_forwards_read_only_the_sliding_window(monkeypatch):

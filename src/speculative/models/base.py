@@ -14,7 +14,8 @@ The engine uses these operations:
   (B, T, V). With `num_valid`, row b only keeps its first num_valid[b] tokens (its other
   tokens are padding whose logits are garbage); this is how rows of different lengths
   share one call. keep_logits=False may return None (prompt processing needs no logits,
-  and a 262k-token output layer is costly); return_hidden=True also returns the final
+  and a 262k-token output layer is costly; the last block then need only write its keys
+  and values to the cache, as llama.cpp's does); return_hidden=True also returns the final
   hidden states. `positions` (B, T) are the tokens' positions, apart from the cache slots
   they take (default: each row's next positions), so that a token tree can give siblings
   one depth; a recurrent model only accepts the default. `tree` (B, T, T) bool, where a

@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
+from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .int8 import _mapped, _replace, model_class, release_freed_memory
 from .int8_kernel import compiled_ops
 from .kernels import Int8Linear
+from .layers import FUSED
 
 log = logging.getLogger("speculative")
 

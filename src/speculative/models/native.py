@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .decoder_only import FUSED, DecoderOnlyConfig, DecoderOnlyLM
+from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import FULL, SLIDING, SLIDING_PATTERN, Gemma3Config, Gemma3LM
 from .int8 import load_cached, model_class
 from .int8_kernel import compiled_ops
+from .layers import FUSED
 from .smoothing import SmoothedReader, calibration_ids
 
 log = logging.getLogger("speculative")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import OutputHead, check_lengths, output, valid_counts
-from .decoder_only import RMSNorm
+from .layers import RMSNorm
 
 # Chunks up to this length keep the state after every position (for rollback).
 SHORT_CHUNK = 32
