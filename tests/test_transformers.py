@@ -333,7 +333,10 @@ def test_short_forwards_read_only_the_sliding_window(monkeypatch):
 def test_a_prompt_without_logits_skips_the_last_layers_attention_and_mlp_with_the_same_cache(kind, monkeypatch):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    import copy
+
     from speculative.models.hf import HFModel
+    from speculative.models.hf_attention import cache_only_forward
     from tests.helpers import reads_prompts_without_the_last_block
 
     if kind.startswith("llama"):
@@ -361,6 +364,9 @@ def test_a_prompt_without_logits_skips_the_last_layers_attention_and_mlp_with_th
         full = len(calls)
         model.forward(ids, model.new_state(1), keep_logits=False)
     assert full == 2 * len(model_layers) and len(calls) - full == 2 * (len(model_layers) - 1)
+    copied = copy.deepcopy(module).model.layers[-1]  # a copy's last layer runs its own weights
+    assert copied.forward.__self__ is copied
+    assert HFModel(module)._cache_only and model_layers[-1].forward.__func__ is cache_only_forward  # not nested
 
 
 def test_models_whose_layers_have_other_parts_read_prompts_in_full():

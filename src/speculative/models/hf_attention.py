@@ -7,6 +7,8 @@ verify-sized float32 forwards through the built-in decoder's width-invariant att
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .attention import KEY_BLOCK, cached_attention, whole_blocks
@@ -60,25 +62,23 @@ def write_cache_only(base) -> bool:
     `self_attn` and `mlp`) skip its attention and MLP when the forward gets CACHE_ONLY: a
     prompt read without logits needs from it only the keys and values its attention module
     writes to the cache (the rest reaches only the output layer). The layer's own forward
-    is kept for every other call; False where the layers are not of that form."""
+    runs every other call; False where the layers are not of that form."""
     layers = getattr(base, "layers", None)
     last = layers[-1] if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
     if last is None or not all(hasattr(last, part) for part in ("input_layernorm", "self_attn", "mlp")):
         return False
-    full = last.forward
-    if getattr(full, CACHE_ONLY, False):  # wrapped by an earlier HFModel over the same module
-        return True
-
-    def forward(hidden_states, *args, **kwargs):
-        if not kwargs.pop(CACHE_ONLY, False):
-            return full(hidden_states, *args, **kwargs)
-        # The attention module writes the keys and values; block_attention, told NO_OUTPUT, computes nothing.
-        last.self_attn(last.input_layernorm(hidden_states), *args, **kwargs, **{NO_OUTPUT: True})
-        return hidden_states
-
-    setattr(forward, CACHE_ONLY, True)
-    last.forward = forward
+    if getattr(last.forward, "__func__", None) is not cache_only_forward:  # not by an earlier HFModel
+        last.forward = types.MethodType(cache_only_forward, last)  # a method: a deep copy binds its copy
     return True
+
+
+def cache_only_forward(layer, hidden_states, *args, **kwargs):
+    """`write_cache_only`'s forward of a decoder layer."""
+    if not kwargs.pop(CACHE_ONLY, False):
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    # The attention module writes the keys and values; block_attention, told NO_OUTPUT, computes nothing.
+    layer.self_attn(layer.input_layernorm(hidden_states), *args, **kwargs, **{NO_OUTPUT: True})
+    return hidden_states
 
 
 class MaskReading:
