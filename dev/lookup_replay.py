@@ -16,7 +16,7 @@ prompts' context, then replays every text on that cost table, with no model:
 Prompt processing is left out of the per-prompt seconds (both sides pay the same); the
 last lines add each prompt's measured reading time back, against transformers' lookup and
 against plain decoding (the prompt, then one-token forwards), so they bound what a drafting
-rule can reach end to end. The forward counts of transformers' replay match its real runs.
+rule can reach end to end, and say how fast prompts would have to be read for 3x plain. The forward counts of transformers' replay match its real runs.
 """
 
 from __future__ import annotations
@@ -216,9 +216,13 @@ def main(dtype: str) -> None:
     reading = sum(prompt_seconds(hf, prompt) for prompt in prompts)
     plain = reading + len(prompts) * NEW * at(table, 1)
     print(f"end to end, with {reading:.2f} s of prompt reading (plain decoding {plain:.2f} s):")
+    decoding = plain - reading  # plain decoding's one-token forwards
     for name in (f"ours, adaptive K <= {K}", "oracle (our lookup, cut to what is kept)"):
         total = reading + sum(rows[name])
-        print(f"  {name:40s} {(reading + peer) / total:.2f}x transformers' lookup, {plain / total:.2f}x plain")
+        # 3x plain: (r + decoding) / (r + ours) >= 3, so r <= (decoding - 3 ours) / 2
+        needed = (decoding - 3 * sum(rows[name])) / 2
+        print(f"  {name:40s} {(reading + peer) / total:.2f}x transformers' lookup, {plain / total:.2f}x plain; "
+              f"3x plain needs the prompts read in {needed:.2f} s ({needed / reading:.0%} of today's)")
 
 
 if __name__ == "__main__":
