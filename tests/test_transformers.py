@@ -378,3 +378,19 @@ def test_models_whose_layers_have_other_parts_read_prompts_in_full():
         state = model.new_state(1)
         assert model.forward(torch.tensor([prompt(20, 4)]), state, keep_logits=False) is None
     assert state.lengths == [20]
+
+
+def test_layers_that_pass_no_keywords_on_are_left_as_they_are():
+    from speculative.models.hf_attention import write_cache_only
+
+    def base(attention_forward):
+        attention = type("Attention", (torch.nn.Module,), {"forward": attention_forward})()
+        layer = type("Layer", (torch.nn.Module,), {"forward": lambda self, x, **kwargs: x})()
+        layer.input_layernorm, layer.self_attn, layer.mlp = torch.nn.Identity(), attention, torch.nn.Identity()
+        model = type("Base", (torch.nn.Module,), {"forward": lambda self, x, **kwargs: x})()
+        model.layers = torch.nn.ModuleList([layer])
+        return model
+
+    strict = base(lambda self, hidden_states: hidden_states)
+    assert not write_cache_only(strict) and "forward" not in vars(strict.layers[0])
+    assert write_cache_only(base(lambda self, hidden_states, **kwargs: hidden_states))

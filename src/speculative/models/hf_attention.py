@@ -7,6 +7,7 @@ verify-sized float32 forwards through the built-in decoder's width-invariant att
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -62,14 +63,22 @@ def write_cache_only(base) -> bool:
     `self_attn` and `mlp`) skip its attention and MLP when the forward gets CACHE_ONLY: a
     prompt read without logits needs from it only the keys and values its attention module
     writes to the cache (the rest reaches only the output layer). The layer's own forward
-    runs every other call; False where the layers are not of that form."""
+    runs every other call; False where the layers are not of that form, or where the model,
+    the layer or its attention takes no keywords to pass on."""
     layers = getattr(base, "layers", None)
     last = layers[-1] if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
     if last is None or not all(hasattr(last, part) for part in ("input_layernorm", "self_attn", "mlp")):
         return False
+    if not all(takes_keywords(type(module).forward) for module in (base, last, last.self_attn)):
+        return False
     if getattr(last.forward, "__func__", None) is not cache_only_forward:  # not by an earlier HFModel
         last.forward = types.MethodType(cache_only_forward, last)  # a method: a deep copy binds its copy
     return True
+
+
+def takes_keywords(function) -> bool:
+    """Whether `function` takes any keyword (a `**kwargs`)."""
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(function).parameters.values())
 
 
 def cache_only_forward(layer, hidden_states, *args, **kwargs):
