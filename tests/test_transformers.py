@@ -331,9 +331,9 @@ def test_short_forwards_read_only_the_sliding_window(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["llama", "llama bfloat16", "gemma3", "gemma3 sliding last"])
 def test_a_prompt_without_logits_skips_the_last_layers_attention_and_mlp_with_the_same_cache(kind, monkeypatch):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     import copy
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from speculative.models.hf import HFModel
     from speculative.models.hf_attention import cache_only_forward
