@@ -16,7 +16,8 @@ prompts' context, then replays every text on that cost table, with no model:
 Prompt processing is left out of the per-prompt seconds (both sides pay the same); the
 last lines add each prompt's measured reading time back, against transformers' lookup and
 against plain decoding (the prompt, then one-token forwards), so they bound what a drafting
-rule can reach end to end, and say how fast prompts would have to be read for 3x plain. The forward counts of transformers' replay match its real runs.
+rule can reach end to end, and say how fast prompts would have to be read for 3x plain. The
+forward counts of transformers' replay match its real runs.
 """
 
 from __future__ import annotations
