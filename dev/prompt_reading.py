@@ -2,7 +2,7 @@
 reading it with the last layer's outputs, alternating in one process (2 threads).
 
     python dev/prompt_reading.py gemma-3-270m float32 1537
-    python dev/prompt_reading.py gemma-3-270m bfloat16 1537 transformers   # the transformers module
+    python dev/prompt_reading.py gemma-3-270m bfloat16 1537 transformers   # its transformers module
     python dev/prompt_reading.py qwen2.5-coder-1.5b auto 300
 
 Random token ids; 6 pairs after one of each, the order alternating; medians and each pair's ratio.
@@ -11,18 +11,22 @@ Random token ids; 6 pairs after one of each, the order alternating; medians and 
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from speculative import load_model
-from speculative.models.loading import _load_transformers, _prepare, resolve
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from lookup_vs_transformers import hf_module  # noqa: E402
+
+from speculative import load_model  # noqa: E402
 
 
 def readers(name: str, dtype: str, transformers: bool):
-    """(with the last layer's outputs, without) for one prompt length."""
-    if transformers:  # as benchmarks/lookup_vs_transformers.py loads it
-        model = _load_transformers(resolve(name), "cpu", getattr(torch, dtype),
-                                   lambda m: _prepare(m, name, None, False, True))
+    """read(ids, outputs): a prompt read with the last layer's outputs, or without them."""
+    if transformers:  # Gemma 3 270M's transformers module, as the lookup benchmark loads it
+        if name != "gemma-3-270m":
+            raise SystemExit("the transformers module is Gemma 3 270M's (benchmarks/lookup_vs_transformers.py)")
+        model = hf_module(dtype)
 
         def read(ids, outputs):
             model._cache_only = not outputs
