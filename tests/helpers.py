@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 
 from speculative import build_model
+from speculative.models import isa
 
 TINY_OPTS = {
     "decoder_only": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_seq_len": 256},
     "s4d": {"hidden_size": 32, "num_layers": 2, "state_dim": 8},
 }
+
+
+def kernel_isas(amx: bool = False) -> list[str]:
+    """The compiled kernels' instruction sets this CPU runs (models/isa.py), "auto" last: each
+    path's exactness is tested on every machine that can execute it (AMX for the int8 product only)."""
+    levels = [level for level in isa.runnable() if amx or level != "amx"]
+    return [*levels, "auto"]
 
 
 def tiny(model_type: str, vocab: int = 64, seed: int = 0, **opts):

@@ -14,7 +14,7 @@ from speculative.models.loading import load_draft
 from speculative.models.argmax_screen import _SCREENS as screens
 from speculative.models.argmax_screen import (ROUNDING, ArgmaxScreen, activation_residual, screen_pays,
                                               screened_logits)
-from tests.helpers import tiny
+from tests.helpers import kernel_isas, tiny
 
 V, H = 6000, 96
 
@@ -140,7 +140,7 @@ def test_exact_scores_are_the_same_bits_on_every_instruction_set(ops):
     torch.manual_seed(5)
     weight, hidden = torch.randn(300, 203), torch.randn(7, 203)  # 203: lanes and a remainder
     rows, tokens = torch.randint(0, 7, (500,)), torch.randint(0, 300, (500,))
-    isas = ["plain"] + (["avx2"] if ops.int8_isa() != "plain" else []) + ["auto"]
+    isas = kernel_isas()
     results = [ops.exact_scores(weight, hidden, rows, tokens, isa) for isa in isas]
     assert all(torch.equal(result, results[0]) for result in results)
     reference = (weight[tokens].double() * hidden[rows].double()).sum(-1)

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from speculative import load_model, save_model
 from speculative.models.attention import cached_attention, rope_table, rotate
-from tests.helpers import tiny
+from tests.helpers import kernel_isas, tiny
 
 B, T, H, G, D, S = 2, 5, 6, 2, 64, 1024
 
 
 def isas(ops):
-    return ["plain"] + (["avx2"] if ops.int8_isa() != "plain" else []) + ["auto"]
+    return kernel_isas()
 
 
 def test_rms_norm_is_pytorchs_and_each_row_gets_its_bits_alone_on_every_instruction_set(ops):

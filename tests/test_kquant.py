@@ -18,13 +18,15 @@ from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, au
 from speculative.models.kernels import Int8Linear
 from speculative.models.kquant import KQuantLinear, load_kquant, read_gguf_tensors
 from speculative.models.native import checkpoint_reader, native_config
+from speculative.models import isa
+from tests.helpers import kernel_isas
 from tests.test_int8 import WIDTHS, rows_alone, widths_agree
 from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, draw, exact_joint, g_test_pvalue
 
 gguf = pytest.importorskip("gguf")
 
 Q4_K, Q6_K, Q5_0, Q8_0, F16 = 12, 14, 6, 8, 1
-ISAS = ["auto", "avx2", "plain"]
+ISAS = ["auto", *isa.LEVELS[1:4], "plain"]
 
 
 def random_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
@@ -157,15 +159,15 @@ def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
     assert torch.equal(weights.float(), dequantize(raw, kind, 512))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("level", ISAS)
 @pytest.mark.parametrize("kinds, rows, columns", [([Q4_K], 48, 768), ([Q6_K], 40, 768), ([Q4_K, Q6_K], 37, 768),
                                                    ([Q5_0], 48, 896), ([Q8_0], 40, 896), ([Q5_0, Q8_0], 37, 896)])
-def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, isa, kinds, rows, columns):
-    if isa == "avx2" and ops.int8_isa() == "plain":
-        pytest.skip("this CPU has no AVX2")
+def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, level, kinds, rows, columns):
+    if level not in kernel_isas():
+        pytest.skip(f"this CPU does not run {level}")
     parts = [(blocks_of(rows, columns, kind, seed=rows + kind), kind) for kind in kinds]
     layer = KQuantLinear(parts, columns, torch.randn(rows * len(kinds)))
-    layer.isa = isa
+    layer.isa = level
     x = torch.randn(17, columns) * torch.rand(17, 1) * 10
     x[:, 5] *= 30  # an outlier channel
     x[3] = 0  # a row of zeros
@@ -187,8 +189,8 @@ def test_every_instruction_set_gives_the_same_bits(ops, kinds):
     layer = KQuantLinear(parts, 1024)
     x = torch.randn(9, 1024)
     outputs = []
-    for isa in ISAS if ops.int8_isa() != "plain" else ["plain"]:
-        layer.isa = isa
+    for level in kernel_isas():
+        layer.isa = level
         outputs.append(layer(x))
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
@@ -207,12 +209,12 @@ def test_activations_quantize_alike_on_every_instruction_set_at_the_edges(ops, k
     x[2, 10] = float("inf")
     x[3] = 0
     outputs = {}
-    for isa in ISAS if ops.int8_isa() != "plain" else ["plain"]:  # "plain" last: the layer stays on it
-        layer.isa = isa
-        outputs[isa] = layer(x)
+    for level in kernel_isas():
+        layer.isa = level
+        outputs[level] = layer(x)
     plain = outputs["plain"]
-    for isa, out in outputs.items():
-        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0)), isa
+    for level, out in outputs.items():
+        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0)), level
     assert plain[2].isnan().all() and not plain[[0, 1, 3, 4]].isnan().any()
     assert torch.equal(plain[[0, 3, 4]], reference(x[[0, 3, 4]], *layer.runs[0]))
     as_peak = x[[1]].nan_to_num(0.0)
@@ -374,6 +376,29 @@ def test_a_draft_on_32_column_blocks_is_width_invariant_and_never_changes_the_ou
             assert decoder.generate(prompt, 30) == autoregressive_generate(kquant_model, prompt, 30)
 
 
+@pytest.mark.parametrize("level", isa.LEVELS[:4])
+def test_every_instruction_set_runs_whole_models_width_invariant_and_exact(kquant_model, level, tmp_path):
+    """Under each ceiling this CPU runs (SPECULATIVE_ISA, models/isa.py), every compiled op of a
+    forward takes that level's code: a k-quant target and a draft on 32-column blocks give every
+    width the same bits, the same bits as at the CPU's best level, and greedy speculation
+    reproduces plain decoding."""
+    if level not in isa.runnable():
+        pytest.skip(f"this CPU does not run {level}")
+    draft = load(write_model(tmp_path / "q32", vocab=96, seed=5, q32=True))
+    prompt = torch.tensor([list(range(10, 40))])
+    with torch.inference_mode():
+        best = [model.forward(prompt, model.new_state(1, 64)) for model in (kquant_model, draft)]
+        with isa.forced(level):
+            assert torch.ops.speculative_kernels.isa() == level
+            assert widths_agree(kquant_model) and widths_agree(draft)
+            for model, logits in zip((kquant_model, draft), best):
+                assert torch.equal(model.forward(prompt, model.new_state(1, 64)), logits)
+            decoder = SpeculativeDecoder(kquant_model, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+            for start in ([1, 2, 3], list(range(10, 40)) * 2):
+                assert decoder.generate(start, 24) == autoregressive_generate(kquant_model, start, 24)
+    assert torch.ops.speculative_kernels.isa() == isa.runnable()[-1]
+
+
 @pytest.mark.parametrize("draft_kind", ["ngram", "self", "float draft"])
 def test_greedy_speculation_on_a_kquant_target_is_its_own_greedy_decoding(kquant_model, draft_kind,
                                                                            tmp_path_factory):
@@ -404,14 +429,14 @@ def test_auto_runs_a_model_made_from_a_gguf_on_its_blocks_only_where_int8_would_
     monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
     monkeypatch.setattr(kquant, "int8_on_tiles", lambda: False)  # a CPU without AMX
     for vnni, share, blocks in ((True, None, True), (False, None, False), (True, 0.4, False)):
-        monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
+        monkeypatch.setattr(precision, "int8_runs_fast", lambda features=None, vnni=vnni: vnni)
         if share is not None:  # a file with less than half its layers' weights in Q4_K or Q6_K
             monkeypatch.setattr(kquant, "kquant_share", lambda gguf, kinds=None, share=share: share)
         model = load_model(root, dtype="auto")
         assert isinstance(model.layers[1].mlp.down_proj, KQuantLinear) == blocks, (vnni, share)
         if vnni and not blocks:
             assert isinstance(model.layers[1].mlp.down_proj, Int8Linear)  # int8, as before
-    monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None: True)
+    monkeypatch.setattr(precision, "int8_runs_fast", lambda features=None: True)
     monkeypatch.setattr(kquant, "kquant_share", share_of)
     assert isinstance(load_model(root, dtype="auto").layers[1].mlp.down_proj, KQuantLinear)
     trainable = load_model(root, dtype="auto", pack=False)  # to save, export or train with: never the blocks
@@ -432,10 +457,10 @@ def test_auto_runs_a_draft_on_its_32_column_blocks_where_a_target_would_take_int
     monkeypatch.setattr(precision, "INT8_MIN_WEIGHTS", 0)  # the test model is tiny
     monkeypatch.setattr(loading, "SMALL_MODEL", 0)
     for vnni in (True, False):
-        monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None, vnni=vnni: vnni)
+        monkeypatch.setattr(precision, "int8_runs_fast", lambda features=None, vnni=vnni: vnni)
         layer = loading.load_draft(root).layers[1].self_attn.qkv_proj
         assert isinstance(layer, KQuantLinear if vnni else Int8Linear), vnni
-    monkeypatch.setattr(precision, "cpu_has_int8", lambda features=None: True)
+    monkeypatch.setattr(precision, "int8_runs_fast", lambda features=None: True)
     assert isinstance(load_model(root, dtype="auto").layers[1].self_attn.qkv_proj, Int8Linear)
 
 

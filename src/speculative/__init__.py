@@ -6,6 +6,7 @@ from .core.rows import RequestOutput, SamplingParams
 from .core.stats import DecodeStats, RequestStats
 from .core.verify import accept_reject, greedy_verify, rejection_verify
 from .models import build_model, build_pair, output_size, save_model
+from .models import isa as _isa
 from .models.base import LanguageModel
 from .models.loading import load_model, load_tokenizer
 from .proposers import DraftModelProposer, NGramProposer, Proposal, Proposer, SuffixProposer
@@ -13,6 +14,8 @@ from .runtime.decoder import SpeculativeDecoder, autoregressive_generate
 from .runtime.engine import Engine
 
 __version__ = "0.1.0"
+
+_isa.cap_torch()  # before any PyTorch kernel runs: SPECULATIVE_ISA caps PyTorch's own kernels too
 
 # Old module paths (speculative.engine, speculative.config, ...) for one release: see _aliases.
 _aliases.install()

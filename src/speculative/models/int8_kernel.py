@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from . import isa
+
 log = logging.getLogger("speculative")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -76,7 +78,9 @@ def _load():
         reason = f"{type(error).__name__}: {str(error)[-2000:]}"
         log.warning("the int8 kernel did not build, so int8 layers run fbgemm: %s", reason)
         return None, reason
-    return torch.ops.speculative_kernels, None
+    ops = torch.ops.speculative_kernels
+    isa.apply(ops)
+    return ops, None
 
 
 def _flags() -> list[str]:

@@ -62,7 +62,7 @@ class KQuantLinear(nn.Module):
         ops = compiled_ops(required=True)
         self.in_features = in_features
         self.out_features = sum(len(raw) for raw, _ in parts)
-        self.isa = "auto"  # the instruction set: auto (the best here), vnni, avx2, plain
+        self.isa = "auto"  # the instruction set (models/isa.py): auto (the best allowed here) or a level by name
         self.source = source if source is not None else lambda: parts
         self.runs = []  # (packed blocks, bits, rows)
         for kind in _runs(parts):
@@ -215,13 +215,13 @@ def int8_on_tiles() -> bool:
     """Whether int8 products run on AMX tiles here (csrc/amx.h). The k-quant blocks have no
     AMX path (one tried was slower than VNNI: dev/LOG.md, 2026-12-05)."""
     ops = compiled_ops()
-    return ops is not None and bool(ops.int8_amx())
+    return ops is not None and ops.isa() == "amx"
 
 
 def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | None:
     """Why `auto` runs a model directory of `weights` matrix weights on the blocks of the GGUF
-    file it was made from, or None where it does not: only on a CPU with VNNI (where
-    `auto` picks int8). A target (INT8_MIN_WEIGHTS or more; a draft's size is load_draft's)
+    file it was made from, or None where it does not: only where int8 runs fast (VNNI, or AVX2
+    on the compiled kernel: `precision.int8_runs_fast`, where `auto` picks int8). A target (INT8_MIN_WEIGHTS or more; a draft's size is load_draft's)
     needs half of its layers' weights in Q4_K or Q6_K: there the file's own blocks decode
     faster than int8 (fewer bytes a token) and are the weights llama.cpp computes with; the
     int8 model is quantized again from their float copy. Not where int8 runs on AMX tiles:
@@ -233,14 +233,15 @@ def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | 
     reads 8 (the 0.5B draft, full vocabulary: 16.9 ms a token against 19.8-23.7)."""
     from . import presets, precision
 
-    if (torch.device(device).type != "cpu" or not precision.cpu_has_int8() or not path.is_dir()
+    if (torch.device(device).type != "cpu" or not precision.int8_runs_fast() or not path.is_dir()
             or not draft and (weights < precision.INT8_MIN_WEIGHTS or int8_on_tiles())):
         return None
     gguf = presets.source_gguf(path)
     if gguf is None or kquant_share(gguf, KERNEL_TYPES if draft else K_QUANTS) < 0.5 or compiled_ops() is None:
         return None
-    return (f"auto: gguf, the blocks of {gguf.name}, since this CPU multiplies 8-bit integers natively (VNNI): a "
-            "forward reads about two thirds of int8's bytes, and every width gets the same bits")
+    return (f"auto: gguf, the blocks of {gguf.name}, since this CPU multiplies 8-bit integers "
+            f"{precision.int8_units()}: a forward reads about two thirds of int8's bytes, and every width gets the "
+            "same bits")
 
 
 def load_preset(path: Path, config: dict, device, reason: str | None = None) -> DecoderOnlyLM:

@@ -7,14 +7,16 @@ verification, sampling and the acceptance ratio p/q never see rounded probabilit
 quantized on their own, float32 for the rest. Its forward reads a quarter of float32's
 bytes and half of bfloat16's, and it is width-invariant: a verify forward gives each
 token the bits of a one-token forward, so speculative output is exactly the int8 model's
-own. On CPUs whose cores multiply 8-bit integers natively (VNNI), `auto` picks it for models
+own. Where int8 products run fast (`int8_runs_fast`: CPUs whose cores multiply 8-bit integers
+natively, VNNI, and AVX2 CPUs on this project's compiled kernel), `auto` picks it for models
 of INT8_MIN_WEIGHTS weights or more: decoding reads weights, and int8 reads half of
-bfloat16's bytes. On a Zen 4 EPYC (AVX512-BF16 and VNNI, no AMX) Qwen2.5-Coder 1.5B decoded
-2.2x faster in int8 than in packed bfloat16, Gemma 3 270M 1.5x (BENCHMARKS.md, llama-cpp);
-on an Intel Xeon with AMX a one-token forward took 108 ms in int8 against 312 ms in
-bfloat16 on its matrix units (Qwen 1.5B), 26 against 42 ms (Gemma 3 270M). Without VNNI
-(AVX2 only), int8 activations keep 7 bits (`kernels.reduce_range`), unmeasured here, so
-`auto` does not pick it there. Where it would pick int8 for a preset made from a GGUF file
+bfloat16's bytes and a quarter of float32's. On a Zen 4 EPYC (AVX512-BF16 and VNNI, no AMX)
+Qwen2.5-Coder 1.5B decoded 2.2x faster in int8 than in packed bfloat16, Gemma 3 270M 1.5x
+(BENCHMARKS.md, llama-cpp); on an Intel Xeon with AMX a one-token forward took 108 ms in int8
+against 312 ms in bfloat16 on its matrix units (Qwen 1.5B), 26 against 42 ms (Gemma 3 270M);
+on an AVX2-only Zen 3 EPYC, Qwen 1.5B decoded at 9-16 tokens/s in int8 against 3.6-3.8 in
+float32 (issue 58). Without the compiled kernel an AVX2 CPU would run fbgemm with 7-bit
+activations (`kernels.reduce_range`), so `auto` keeps float32 there. Where it would pick int8 for a preset made from a GGUF file
 that is mostly Q4_K/Q6_K, `load_model` runs the file's own blocks instead, unless int8 runs
 on AMX tiles, which verify wide drafts and read prompts faster (`kquant.auto_reason`).
 
@@ -35,6 +37,8 @@ import platform
 
 import torch
 
+from . import isa
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # int8 linear layers and embeddings, float32 for the rest (`models/int8.py`).
 INT8 = "int8"
@@ -43,17 +47,9 @@ GGUF = "gguf"
 CHOICES = ("auto", INT8, GGUF, *DTYPES)
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags as the kernel reports them (empty where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The CPU's feature flags, as a CPU of SPECULATIVE_ISA's class would show them (`isa.py`)."""
+    return isa.visible_flags()
 
 
 def cpu_has_fast(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
@@ -74,11 +70,27 @@ SMALL_FOR_16_BITS = 100_000_000
 INT8_MIN_WEIGHTS = SMALL_FOR_16_BITS
 
 
-def cpu_has_int8(features: frozenset[str] | None = None) -> bool:
-    """Whether the CPU multiplies 8-bit integers natively (VNNI). With AMX too: its bfloat16
-    matrix units do not make up for reading twice the bytes of int8 (module docstring)."""
+def int8_runs_fast(features: frozenset[str] | None = None) -> bool:
+    """Whether int8 products run fast here: the CPU multiplies 8-bit integers natively (VNNI;
+    with AMX too, whose bfloat16 units do not make up for reading twice int8's bytes), or it
+    has AVX2 and this project's compiled kernel builds (its AVX2 path reads each weight once for
+    up to 8 tokens, as VNNI's does)."""
     features = cpu_features() if features is None else features
-    return bool({"avx512_vnni", "avx_vnni"} & features)
+    if {"avx512_vnni", "avx_vnni"} & features:
+        return True
+    from .int8_kernel import compiled_ops
+
+    return "avx2" in features and compiled_ops() is not None
+
+
+def int8_units(features: frozenset[str] | None = None) -> str:
+    """What runs int8 products here, in words."""
+    features = cpu_features() if features is None else features
+    if "amx_int8" in features:
+        return "natively, on VNNI and AMX tiles"
+    if {"avx512_vnni", "avx_vnni"} & features:
+        return "natively (VNNI)"
+    return "fast on AVX2 with this project's kernel"
 
 
 def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = None,
@@ -91,13 +103,12 @@ def resolve_precision(dtype, device="cpu", features: frozenset[str] | None = Non
             raise ValueError(f"int8 needs PyTorch's fbgemm engine on a CPU; not available on {device}: use auto, "
                              "float32 or bfloat16")
         return True, torch.float32, "int8, as asked (int8 weights, each token's activations in int8, float32 else)"
-    if (dtype == "auto" and device.type == "cpu" and int8_runs and cpu_has_int8(features)
-            and (weights is None or weights >= INT8_MIN_WEIGHTS)):
+    if (dtype == "auto" and device.type == "cpu" and int8_runs and (weights is None or weights >= INT8_MIN_WEIGHTS)
+            and int8_runs_fast(features)):
         machine = platform.machine() or "this CPU"
-        units = "VNNI and AMX tiles" if "amx_int8" in (cpu_features() if features is None else features) else "VNNI"
-        return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers natively "
-                                     f"({units}): a forward reads half of bfloat16's bytes, and verifying a "
-                                     "few tokens costs about one")
+        return True, torch.float32, (f"auto: int8, since this CPU ({machine}) multiplies 8-bit integers "
+                                     f"{int8_units(features)}: a forward reads half of bfloat16's bytes and a "
+                                     "quarter of float32's")
     return (False, *resolve_dtype(dtype, device, features, weights))
 
 

@@ -84,8 +84,8 @@ __attribute__((target("avx2"))) double dot_avx2(const float* w, const float* h, 
 }
 
 double dot(const float* w, const float* h, int64_t K, Isa isa) {
-  if (isa == Isa::vnni) return dot_avx512(w, h, K);
-  if (isa == Isa::avx2) return dot_avx2(w, h, K);
+  if (speculative::wide(isa)) return dot_avx512(w, h, K);
+  if (isa != Isa::plain) return dot_avx2(w, h, K);
   return dot_plain(w, h, K);
 }
 
@@ -208,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> screen_candidates(const at::Tensor& screen,
   const double* nrm = norm.data_ptr<double>();
   const double* hn = norms.data_ptr<double>();
   std::vector<std::vector<int64_t>> found(N);
-  const bool wide = speculative::best_isa() == Isa::vnni;
+  const bool wide = speculative::wide(speculative::best_isa());
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(w16 != nullptr ? K : 0);
     for (int64_t n = begin; n < end; ++n) {
@@ -319,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_weights(const 
   float* ss = scale.data_ptr<float>();
   double* es = error.data_ptr<double>();
   double* ns = norm.data_ptr<double>();
-  const bool wide = speculative::best_isa() == Isa::vnni;
+  const bool wide = speculative::wide(speculative::best_isa());
   at::parallel_for(0, V, 64, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end; ++v)
       (wide ? screen_row_avx512 : screen_row)(w + v * K, K, qs + v * K, ss + v, es + v, ns + v);

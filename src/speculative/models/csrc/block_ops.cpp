@@ -305,8 +305,7 @@ SILU_MUL_ROWS(silu_mul_rows_avx512, __attribute__((target("avx512f"))))
 SILU_MUL_ROWS(silu_mul_rows_avx2, __attribute__((target("avx2"))))
 SILU_MUL_ROWS(silu_mul_rows_plain, )
 
-// avx512 where the CPU has it (the kernels' "vnni" level implies AVX512F).
-bool use_avx512(Isa isa) { return isa == Isa::vnni; }
+bool use_avx512(Isa isa) { return speculative::wide(isa); }
 
 }  // namespace
 
@@ -326,7 +325,7 @@ at::Tensor block_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     if (use_avx512(isa)) norm_rows_avx512(in, wp, e, n, out, begin, end);
-    else if (isa == Isa::avx2) norm_rows_avx2(in, wp, e, n, out, begin, end);
+    else if (isa != Isa::plain) norm_rows_avx2(in, wp, e, n, out, begin, end);
     else norm_rows_plain(in, wp, e, n, out, begin, end);
   });
   return y;
@@ -346,7 +345,7 @@ at::Tensor block_silu_mul(const at::Tensor& x, const std::string& isa_name) {
   float* out = y.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     if (use_avx512(isa)) silu_mul_rows_avx512(in, n, out, begin, end);
-    else if (isa == Isa::avx2) silu_mul_rows_avx2(in, n, out, begin, end);
+    else if (isa != Isa::plain) silu_mul_rows_avx2(in, n, out, begin, end);
     else silu_mul_rows_plain(in, n, out, begin, end);
   });
   return y;
@@ -421,7 +420,7 @@ at::Tensor block_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
   }
   at::parallel_for(0, B * T * heads, 1, [&](int64_t begin, int64_t end) {
     if (use_avx512(isa)) attend_items_avx512(rq, keys, values, seen, s, sc, o, begin, end);
-    else if (isa == Isa::avx2) attend_items_avx2(rq, keys, values, seen, s, sc, o, begin, end);
+    else if (isa != Isa::plain) attend_items_avx2(rq, keys, values, seen, s, sc, o, begin, end);
     else attend_items_plain(rq, keys, values, seen, s, sc, o, begin, end);
   });
   return out;

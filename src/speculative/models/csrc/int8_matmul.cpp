@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "avx2.h"
 #include "isa.h"
 #include "quantize.h"
 
@@ -61,7 +62,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
 // as unsigned bytes (VNNI multiplies unsigned by signed); 128 * sum(w) comes off at the end.
 template <int T>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tile_vnni(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int32_t* sums) {
+void tile_avx512(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int32_t* sums) {
   __m512i acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 4) {
@@ -78,32 +79,44 @@ void tile_vnni(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum
   for (int t = 0; t < T; ++t) _mm512_storeu_si512(sums + t * kGroup, _mm512_sub_epi32(acc[t], offset));
 }
 
-template <int T>
+// The same with AVX2 (VNNI: AVX-VNNI) for U <= 8 input rows and one half of the group (rows
+// 8h..8h+7: 8 lanes), one sum register a row. Without VNNI: |w| times x with w's sign, pairs of
+// products of at most 127 * 127 (no int16 overflow); with VNNI, q + 128 as with AVX512-VNNI.
+template <int U, bool VNNI>
 __attribute__((target("avx2")))
-void tile_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t*, int32_t* sums) {
-  __m256i acc[T][2];  // rows 0-7 and 8-15 of the group
-  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+void half_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int h, int32_t* sums) {
+  __m256i acc[U];
+  for (int t = 0; t < U; ++t) acc[t] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t k = 0; k < Kp; k += 4) {
-    __m256i wv[2], wabs[2];
-    for (int h = 0; h < 2; ++h) {
-      wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * kGroup + h * 32));
-      wabs[h] = _mm256_abs_epi8(wv[h]);
-    }
-    for (int t = 0; t < T; ++t) {
-      int32_t four;
-      std::memcpy(&four, q + t * Kp + k, 4);
-      const __m256i xv = _mm256_set1_epi32(four);
-      for (int h = 0; h < 2; ++h) {
-        // |w| * (x with w's sign): pairs of products of at most 127 * 127, no int16 overflow.
-        const __m256i pairs = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(xv, wv[h]));
-        acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(pairs, ones));
+    const int8_t* at = w + k * kGroup;
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + h * 32));
+    if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+    if constexpr (VNNI) {
+      for (int t = 0; t < U; ++t) acc[t] = speculative::dpbusd_vex(acc[t], speculative::broadcast4(q + t * Kp + k), wv);
+    } else {
+      const __m256i size = _mm256_abs_epi8(wv);
+      for (int t = 0; t < U; ++t) {
+        const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(speculative::broadcast4(q + t * Kp + k), wv));
+        acc[t] = speculative::madd_add<false>(acc[t], pairs, ones);
       }
     }
   }
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + t * kGroup + h * 8), acc[t][h]);
+  const __m256i offset = VNNI ? _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wsum + h * 8)), 7)
+                              : _mm256_setzero_si256();
+  for (int t = 0; t < U; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + t * kGroup + h * 8), _mm256_sub_epi32(acc[t], offset));
+}
+
+// T input rows: each half of the group, by passes of up to 8 rows over its weights (from L1 or L2
+// after the first: 16 rows of Qwen2.5-Coder 1.5B's down projection hold 140 KB).
+template <int T, bool VNNI>
+void tile_avx2(const int8_t* q, int64_t Kp, const int8_t* w, const int32_t* wsum, int32_t* sums) {
+  static_assert(T <= 16);
+  for (int h = 0; h < 2; ++h) {
+    half_avx2<(T < 8 ? T : 8), VNNI>(q, Kp, w, wsum, h, sums);
+    if constexpr (T > 8) half_avx2<T - 8, VNNI>(q + 8 * Kp, Kp, w, wsum, h, sums + 8 * kGroup);
+  }
 }
 
 template <int T>
@@ -161,15 +174,16 @@ void amx_pass_last(const int8_t*, int64_t, int64_t, const int8_t*, int32_t*) {}
 
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, const int32_t*, int32_t*);
 
-#define TILES(NAME)                                                                                     \
-  {NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, NAME<8>, NAME<9>, NAME<10>, NAME<11>, NAME<12>, \
-   NAME<13>, NAME<14>, NAME<15>, NAME<16>}
+#define TILES(NAME, ...)                                                                                  \
+  {NAME<1, ##__VA_ARGS__>, NAME<2, ##__VA_ARGS__>, NAME<3, ##__VA_ARGS__>, NAME<4, ##__VA_ARGS__>,              \
+   NAME<5, ##__VA_ARGS__>, NAME<6, ##__VA_ARGS__>, NAME<7, ##__VA_ARGS__>, NAME<8, ##__VA_ARGS__>,              \
+   NAME<9, ##__VA_ARGS__>, NAME<10, ##__VA_ARGS__>, NAME<11, ##__VA_ARGS__>, NAME<12, ##__VA_ARGS__>,           \
+   NAME<13, ##__VA_ARGS__>, NAME<14, ##__VA_ARGS__>, NAME<15, ##__VA_ARGS__>, NAME<16, ##__VA_ARGS__>}
 
 TileFn tile_for(Isa isa, int tokens) {
-  static const TileFn vnni[] = TILES(tile_vnni);
-  static const TileFn avx2[] = TILES(tile_avx2);
-  static const TileFn plain[] = TILES(tile_plain);
-  return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[tokens - 1];
+  static const TileFn tiles[4][kTokens] = {TILES(tile_plain), TILES(tile_avx2, false), TILES(tile_avx2, true),
+                                           TILES(tile_avx512)};
+  return tiles[static_cast<int>(isa)][tokens - 1];
 }
 
 }  // namespace
@@ -191,30 +205,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = flat.size(0);
   TORCH_CHECK(isa_name != "amx" || speculative::amx_usable(),
               "int8_linear: this CPU has no AMX-INT8 (or Linux does not lend it)");
-  const bool amx = isa_name == "amx" || isa_name == "auto" && speculative::amx_usable();
-  const Isa isa = amx ? speculative::best_isa() : speculative::isa_named(isa_name, "int8_linear");
+  const bool amx = isa_name == "amx" || isa_name == "auto" && speculative::amx_allowed();
+  const Isa isa = amx ? Isa::avx512_vnni : speculative::isa_named(isa_name, "int8_linear");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * Kp);
   std::vector<float> xscale(M);
-  quantize_rows(flat.data_ptr<float>(), M, K, Kp, q.data(), xscale.data(), isa, !amx && isa == Isa::vnni);
+  quantize_rows(flat.data_ptr<float>(), M, K, Kp, q.data(), xscale.data(), isa,
+                !amx && (isa == Isa::avx512_vnni || isa == Isa::avx_vnni));
   const int8_t* wdata = packed.data_ptr<int8_t>();
   const float* wscale = scale.data_ptr<float>();
   const int32_t* sums_of_rows = wsum.data_ptr<int32_t>();
   const float* b = bias && bias->defined() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
   const int64_t tiles = Np / kGroup;
-  // AVX2 has 16 vector registers: 4 rows' sums (2 each) beside the weights' 4 and 2 constants.
-  const int64_t pass = !amx && isa == Isa::avx2 ? 4 : kTokens;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     int32_t sums[kTokens * kGroup];
     if (amx) amx_configure(M, Kp);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * kGroup;
-      for (int64_t m0 = 0; m0 < M; m0 += pass) {
-        const int tokens = static_cast<int>(std::min<int64_t>(pass, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += kTokens) {
+        const int tokens = static_cast<int>(std::min<int64_t>(kTokens, M - m0));
         if (amx)
           (tokens == kTokens ? amx_pass_full : amx_pass_last)(q.data() + m0 * Kp, Kp, Kp / 64 * 64, wdata + n0 * Kp,
                                                               sums);
@@ -270,14 +283,21 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& weight) {
   return {packed, wsum};
 }
 
-std::string int8_isa() { return speculative::isa_name(speculative::best_isa()); }
+// The instruction set "auto" takes here: the best this CPU runs at or below the ceiling.
+std::string isa() { return speculative::kIsaNames[speculative::best_level()]; }
 
-bool int8_amx() { return speculative::amx_usable(); }
+// Sets the ceiling of "auto" (models/isa.py: SPECULATIVE_ISA); refuses what this CPU does not run.
+std::string set_isa(const std::string& name) {
+  const int level = speculative::level_named(name, "set_isa");
+  TORCH_CHECK(speculative::cpu_runs(level), "set_isa: this CPU does not run ", name);
+  speculative::isa_ceiling().store(level);
+  return isa();
+}
 
 TORCH_LIBRARY(speculative_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor wsum, Tensor? bias, int n, str isa) -> Tensor",
         &int8_linear);
   m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)", &int8_pack);
-  m.def("int8_isa() -> str", &int8_isa);
-  m.def("int8_amx() -> bool", &int8_amx);
+  m.def("isa() -> str", &isa);
+  m.def("set_isa(str name) -> str", &set_isa);
 }

@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "avx2.h"
 #include "group_loop.h"
 #include "isa.h"
 #include "quantize.h"
@@ -41,7 +42,7 @@ using speculative::Isa;
 
 constexpr int kGroup = 16;   // output rows per packed group
 constexpr int kBlock = 256;  // columns per super-block
-constexpr int kTokens = 8;   // input rows per pass over a group's weights (VNNI)
+constexpr int kTokens = 8;   // input rows per pass over a group's weights
 // Prefetches: into L1 4 KB ahead, into L2 16 KB ahead (Zen 4, Qwen 1.5B's Q6_K down projections,
 // 1 row: 8.2 ms against 11.5 with the first alone; 1 KB ahead alone: slower still).
 constexpr int64_t kPrefetch = 4096;
@@ -125,7 +126,7 @@ int32_t four_bytes(const int8_t* at) {
 // rows against one group of 16 weight rows.
 template <int BITS, int T>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+void tile_avx512(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
   using L = Layout<BITS>;
   // Independent sums per row where there are few rows, so that the multiply-adds do not wait
   // for each other (integer sums: the order does not change the result).
@@ -192,74 +193,100 @@ void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kGroup, acc[t]);
 }
 
-// Sub-block j's scales of rows 8h..8h+7 as 32-bit lanes (scales are stored by pairs of sub-blocks).
+// Sub-block j's scales of rows 8h..8h+7 as 32-bit lanes, or (`both_halves`) in both 16-bit
+// halves of each lane (the scales are stored by pairs of sub-blocks).
+template <bool kWide>
 __attribute__((target("avx2")))
 inline __m256i scale_of(const int8_t* scales, int j, int h) {
   const __m256i pair = _mm256_cvtepi8_epi16(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (j & ~1) * kGroup + h * 16)));
-  return j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16) : _mm256_srai_epi32(pair, 16);
+  if constexpr (kWide)
+    return j % 2 == 0 ? _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16) : _mm256_srai_epi32(pair, 16);
+  return speculative::both_halves(pair, j % 2 == 1);
 }
 
-// The same with AVX2: 8 lanes, so each chunk is two halves (rows 0-7, rows 8-15); a product of
-// unsigned weights (at most 63) and signed activations (at most 127 in size) fits maddubs' 16 bits.
-template <int BITS, int T>
+// The same with AVX2 (VNNI: AVX-VNNI) for T input rows, one super-block and one half of the
+// group (rows 8h..8h+7: 8 lanes), adding each row's share to out. Without VNNI, maddubs
+// multiplies unsigned weights (at most 63) by signed activations (at most 127 in size) two and
+// two, within 16 bits, a chunk's two such sums are added in 16 bits (|sum| <= 32004), and one
+// madd multiplies them by the sub-block's scale into the row's sum. (Summing Q4_K's 4 chunks of
+// a sub-block in 16 bits first, for fewer multiplies, measured slower: more live registers.)
+// With VNNI, dpbusd sums a sub-block in 32 bits, then one mullo scales it.
+template <int BITS, int T, bool VNNI>
+__attribute__((target("avx2")))
+void block_half_avx2(const int8_t* column, int64_t K, const Block<BITS>& block, const float* xs, int64_t xs_stride,
+                     const int32_t* pairs, int64_t pairs_stride, int h, float* out) {
+  using L = Layout<BITS>;
+  constexpr bool kSum16 = BITS == 4 && !VNNI && T <= 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i isum[T];
+  for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+  for (int j = 0; j < L::kSubs; ++j) {
+    const __m256i sc = scale_of<VNNI>(block.scales, j, h);
+    __m256i dot[T];  // the sub-block's sums: VNNI's in 32 bits, kSum16's in 16
+    for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
+    __m256i two_bits = _mm256_setzero_si256();
+    if constexpr (BITS == 6) two_bits = load256(block.quants + L::kNibbleBytes + j * 64 + h * 32);
+    for (int i = 0; i < L::kChunksPerSub; ++i) {
+      const int c = j * L::kChunksPerSub + i;
+      const __m256i wv = load256(block.quants + c * 64 + h * 32);
+      __m256i low = _mm256_and_si256(wv, nibble);
+      __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
+      if constexpr (BITS == 6) {
+        const __m256i top = _mm256_set1_epi8(0x30);
+        low = _mm256_or_si256(low, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two_bits, 4) : two_bits, top));
+        high = _mm256_or_si256(high, _mm256_and_si256(
+            i == 0 ? _mm256_slli_epi16(two_bits, 2) : _mm256_srli_epi16(two_bits, 2), top));
+      }
+      const int8_t* at = column + c * L::kChunkColumns;
+      for (int t = 0; t < T; ++t) {
+        const __m256i x0 = speculative::broadcast4(at + t * K), x1 = speculative::broadcast4(at + t * K + 4);
+        if constexpr (VNNI) {
+          dot[t] = speculative::dpbusd_vex(speculative::dpbusd_vex(dot[t], low, x0), high, x1);
+        } else {
+          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(low, x0), _mm256_maddubs_epi16(high, x1));
+          if constexpr (kSum16) dot[t] = _mm256_add_epi16(dot[t], sum);
+          else isum[t] = speculative::madd_add<false>(isum[t], sum, sc);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      if constexpr (VNNI) isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot[t], sc));
+      else if constexpr (kSum16) isum[t] = speculative::madd_add<false>(isum[t], dot[t], sc);
+    }
+  }
+  const __m256 d = _mm256_loadu_ps(block.d + h * 8), dmin = _mm256_loadu_ps(block.dmin + h * 8);
+  for (int t = 0; t < T; ++t) {
+    __m256i msum = _mm256_setzero_si256();
+    for (int j = 0; j < L::kSubs; j += 2) {  // m of two sub-blocks times their sums of x, as 16-bit pairs
+      const __m256i m = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.mins + j * kGroup + h * 16)));
+      msum = speculative::madd_add<VNNI>(msum, m, _mm256_set1_epi32(pairs[t * pairs_stride + j / 2]));
+    }
+    const __m256 part = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[t])),
+                                      _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
+    float* sum = out + t * kGroup + h * 8;
+    _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_mul_ps(_mm256_set1_ps(xs[t * xs_stride]), part)));
+  }
+}
+
+// T <= 8 input rows: super-block after super-block, each half of the group (the second half
+// reads the super-block's 2.4 KB again from L1), every row in one pass over the weights.
+template <int BITS, int T, bool VNNI>
 __attribute__((target("avx2")))
 void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
   using L = Layout<BITS>;
-  const int64_t blocks = K / kBlock;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[T][2];
-  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const int64_t blocks = K / kBlock, subs = L::kSubs / 2;
+  std::fill(out, out + T * kGroup, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const Block<BITS> block(w + b * L::kBytes);
-    for (int h = 0; h < 2; ++h) {
-      __m256i isum[T];
-      for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
-      for (int j = 0; j < L::kSubs; ++j) {
-        __m256i dot[T];
-        for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
-        __m256i two_bits = _mm256_setzero_si256();
-        if constexpr (BITS == 6)
-          two_bits = load256(block.quants + L::kNibbleBytes + j * 64 + h * 32);
-        for (int i = 0; i < L::kChunksPerSub; ++i) {
-          const int c = j * L::kChunksPerSub + i;
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.quants + c * 64 + h * 32));
-          const int8_t* column = q + b * kBlock + c * L::kChunkColumns;
-          __m256i low = _mm256_and_si256(wv, nibble);
-          __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
-          if constexpr (BITS == 6) {
-            const __m256i top = _mm256_set1_epi8(0x30);
-            low = _mm256_or_si256(low, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two_bits, 4) : two_bits, top));
-            high = _mm256_or_si256(high, _mm256_and_si256(
-                i == 0 ? _mm256_slli_epi16(two_bits, 2) : _mm256_srli_epi16(two_bits, 2), top));
-          }
-          // Products of at most 63 * 127, two and two, then four: |sum| <= 32004, within 16 bits.
-          for (int t = 0; t < T; ++t) {
-            const __m256i a = _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(column + t * K)));
-            const __m256i e = _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(column + t * K + 4)));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_add_epi16(a, e), ones));
-          }
-        }
-        const __m256i sc = scale_of(block.scales, j, h);
-        for (int t = 0; t < T; ++t) isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot[t], sc));
-      }
-      const __m256 d = _mm256_loadu_ps(block.d + h * 8), dmin = _mm256_loadu_ps(block.dmin + h * 8);
-      for (int t = 0; t < T; ++t) {
-        const int32_t* pairs = xsum + (t * blocks + b) * (L::kSubs / 2);
-        __m256i msum = _mm256_setzero_si256();
-        for (int j = 0; j < L::kSubs; j += 2) {
-          const __m256i m = _mm256_cvtepi8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.mins + j * kGroup + h * 16)));
-          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m, _mm256_set1_epi32(pairs[j / 2])));
-        }
-        const __m256 part = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[t])),
-                                          _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
-        acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(_mm256_set1_ps(xs[t * blocks + b]), part));
-      }
+    for (int line = 0; line < L::kBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(block.quants + line + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block.quants + line + 4 * kPrefetch), _MM_HINT_T1);
     }
+    for (int h = 0; h < 2; ++h)
+      block_half_avx2<BITS, T, VNNI>(q + b * kBlock, K, block, xs + b, blocks, xsum + b * subs, blocks * subs, h, out);
   }
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + t * kGroup + h * 8, acc[t][h]);
 }
 
 // Where sub-block j's scale (or min) of row r is: by pairs of sub-blocks, each row's two together.
@@ -308,16 +335,18 @@ void tile_plain(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum
 
 using TileFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, const uint8_t*, float*);
 
-#define TILES(NAME, BITS) \
-  {NAME<BITS, 1>, NAME<BITS, 2>, NAME<BITS, 3>, NAME<BITS, 4>, \
-   NAME<BITS, 5>, NAME<BITS, 6>, NAME<BITS, 7>, NAME<BITS, 8>}
+#define TILES(NAME, BITS, ...) \
+  {NAME<BITS, 1, ##__VA_ARGS__>, NAME<BITS, 2, ##__VA_ARGS__>, NAME<BITS, 3, ##__VA_ARGS__>, \
+   NAME<BITS, 4, ##__VA_ARGS__>, NAME<BITS, 5, ##__VA_ARGS__>, NAME<BITS, 6, ##__VA_ARGS__>, \
+   NAME<BITS, 7, ##__VA_ARGS__>, NAME<BITS, 8, ##__VA_ARGS__>}
 
 TileFn tile_for(Isa isa, int bits, int tokens) {
-  static const TileFn vnni[2][kTokens] = {TILES(tile_vnni, 4), TILES(tile_vnni, 6)};
-  static const TileFn avx2[2][kTokens] = {TILES(tile_avx2, 4), TILES(tile_avx2, 6)};
-  static const TileFn plain[2][kTokens] = {TILES(tile_plain, 4), TILES(tile_plain, 6)};
-  const int kind = bits == 4 ? 0 : 1;  // 4 or 6
-  return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[kind][tokens - 1];
+  static const TileFn tiles[4][2][kTokens] = {
+      {TILES(tile_plain, 4), TILES(tile_plain, 6)},
+      {TILES(tile_avx2, 4, false), TILES(tile_avx2, 6, false)},
+      {TILES(tile_avx2, 4, true), TILES(tile_avx2, 6, true)},
+      {TILES(tile_avx512, 4), TILES(tile_avx512, 6)}};
+  return tiles[static_cast<int>(isa)][bits == 4 ? 0 : 1][tokens - 1];
 }
 
 // Q4_K's 6-bit scales and mins of sub-block j, from the block's 12 bytes (llama.cpp's layout).
@@ -455,8 +484,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(!b || bias->numel() == N, "kquant_linear: bias must have N = ", N, " elements");
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = blocks * block_bytes(bits), subs = kBlock / sub;
-  const int64_t pass = isa == Isa::avx2 ? 2 : kTokens;
-  speculative::over_groups<kTokens>(M, N, pass, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
+  speculative::over_groups<kTokens>(M, N, kTokens, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
     tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks * subs / 2,
                                 w + g * group_bytes, sums);
   });

@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "avx2.h"
 #include "group_loop.h"
 #include "isa.h"
 #include "quantize.h"
@@ -40,7 +41,7 @@ using speculative::Isa;
 
 constexpr int kGroup = 16;  // output rows per packed group
 constexpr int kBlock = 32;  // columns per block
-constexpr int kTokens = 8;  // input rows per pass over a group's weights (VNNI)
+constexpr int kTokens = 8;  // input rows per pass over a group's weights
 constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kQ5_0 = 6, kQ8_0 = 8;  // GGML's type numbers
 
@@ -94,7 +95,7 @@ float half_at(const uint8_t* at) {
 // against one group of 16 weight rows.
 template <int BITS, int T>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+void tile_avx512(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
   using L = Layout<BITS>;
   constexpr int kChains = T == 1 ? 4 : T == 2 ? 2 : 1;  // independent sums where rows are few
   const int64_t blocks = K / kBlock;
@@ -147,61 +148,84 @@ void tile_vnni(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum,
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * kGroup, acc[t]);
 }
 
-// The same with AVX2: 8 lanes, so each chunk is two halves (rows 0-7, rows 8-15). Q5_0's
-// products (at most 31 * 127, two and two) fit maddubs' 16 bits; Q8_0's signed quants multiply
-// as |q| times x with q's sign (at most 128 * 127, two and two), which is dot - 128 * sum(x).
-template <int BITS, int T>
+// The same with AVX2 (VNNI: AVX-VNNI) for U <= 4 input rows and one half of the group (rows
+// 8h..8h+7: 8 lanes), its sums in registers beside each row's accumulator. Without VNNI, Q5_0's
+// products (at most 31 * 127, two and two) fit maddubs' 16 bits, and Q8_0's signed quants
+// multiply as |q| times x with q's sign (at most 128 * 127, two and two), which is
+// dot - 128 * sum(x); with VNNI, dpbusd multiplies the unsigned quants as they are.
+template <int BITS, int U, bool VNNI>
 __attribute__((target("avx2,f16c")))
-void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+void half_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, int h, float* out) {
   using L = Layout<BITS>;
   const int64_t blocks = K / kBlock;
   const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[T][2];
-  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  __m256 acc[U];
+  for (int t = 0; t < U; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* at = w + b * L::kBytes;
+    if (h == 0)
+      for (int line = 0; line < L::kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at + line + kPrefetch), _MM_HINT_T0);
     const int8_t* column = q + b * kBlock;
-    for (int h = 0; h < 2; ++h) {
-      __m256i dot[T];
-      for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
-      if constexpr (BITS == 8) {
-        for (int c = 0; c < L::kChunks; ++c) {
-          const __m256i s = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32)), flip);  // q
-          const __m256i size = _mm256_abs_epi8(s);
-          for (int t = 0; t < T; ++t) {
-            const __m256i x = _mm256_set1_epi32(four_bytes(column + t * K + c * 4));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(x, s)),
-                                                                ones));
-          }
-        }
-      } else {
-        __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + L::kChunks * 64 + h * 32));
-        for (int c = 0; c < L::kChunks; ++c, bits = _mm256_srli_epi16(bits, 2)) {
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32));
-          const __m256i low = _mm256_or_si256(_mm256_and_si256(wv, nibble),
-                                              _mm256_and_si256(_mm256_slli_epi16(bits, 4), fifth));
-          const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble),
-                                               _mm256_and_si256(_mm256_slli_epi16(bits, 3), fifth));
-          for (int t = 0; t < T; ++t) {
-            const __m256i a = _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(column + t * K + c * 8)));
-            const __m256i e = _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(column + t * K + c * 8 + 4)));
-            dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_add_epi16(a, e), ones));
-          }
+    __m256i dot[U];
+    for (int t = 0; t < U; ++t) dot[t] = _mm256_setzero_si256();
+    if constexpr (BITS == 8) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int c = 0; c < L::kChunks; ++c) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32));  // q + 128
+        const __m256i s = _mm256_xor_si256(u, flip), size = _mm256_abs_epi8(s);  // q, |q|
+        for (int t = 0; t < U; ++t) {
+          const __m256i x = speculative::broadcast4(column + t * K + c * 4);
+          if constexpr (VNNI)
+            dot[t] = speculative::dpbusd_vex(dot[t], u, x);
+          else
+            dot[t] = speculative::madd_add<false>(dot[t], _mm256_maddubs_epi16(size, _mm256_sign_epi8(x, s)), ones);
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + L::kQuantBytes + h * 16)));
-      for (int t = 0; t < T; ++t) {
-        const __m256i sum =
-            BITS == 8 ? dot[t] : _mm256_sub_epi32(dot[t], _mm256_set1_epi32(L::kOffset * xsum[t * blocks + b]));
-        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[t * blocks + b]), d);
-        acc[t][h] = _mm256_add_ps(acc[t][h], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sum)));
+    } else {
+      __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + L::kChunks * 64 + h * 32));
+      for (int c = 0; c < L::kChunks; ++c, bits = _mm256_srli_epi16(bits, 2)) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + c * 64 + h * 32));
+        const __m256i low = _mm256_or_si256(_mm256_and_si256(wv, nibble),
+                                            _mm256_and_si256(_mm256_slli_epi16(bits, 4), fifth));
+        const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble),
+                                             _mm256_and_si256(_mm256_slli_epi16(bits, 3), fifth));
+        for (int t = 0; t < U; ++t) {
+          const __m256i x0 = speculative::broadcast4(column + t * K + c * 8);
+          const __m256i x1 = speculative::broadcast4(column + t * K + c * 8 + 4);
+          if constexpr (VNNI) {
+            dot[t] = speculative::dpbusd_vex(speculative::dpbusd_vex(dot[t], low, x0), high, x1);
+          } else {
+            const __m256i a = _mm256_maddubs_epi16(low, x0), e = _mm256_maddubs_epi16(high, x1);
+            dot[t] = speculative::madd_add<false>(dot[t], _mm256_add_epi16(a, e), ones);
+          }
+        }
       }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + L::kQuantBytes + h * 16)));
+    // Without VNNI, Q8_0's sums are already dot - 128 * sum(x).
+    constexpr bool kOffset = BITS == 5 || VNNI;
+    for (int t = 0; t < U; ++t) {
+      const __m256i sum =
+          kOffset ? _mm256_sub_epi32(dot[t], _mm256_set1_epi32(L::kOffset * xsum[t * blocks + b])) : dot[t];
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xs[t * blocks + b]), d);
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(sum)));
+    }
   }
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + t * kGroup + h * 8, acc[t][h]);
+  for (int t = 0; t < U; ++t) _mm256_storeu_ps(out + t * kGroup + h * 8, acc[t]);
+}
+
+// T input rows: each half of the group, by passes of up to 4 rows over its weights (from L1
+// or L2 after the first: a group's 16 rows hold at most 53 KB in Qwen2.5-Coder 0.5B).
+template <int BITS, int T, bool VNNI>
+void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
+  static_assert(T <= 8);
+  const int64_t blocks = K / kBlock;
+  for (int h = 0; h < 2; ++h) {
+    half_avx2<BITS, (T < 4 ? T : 4), VNNI>(q, K, xs, xsum, w, h, out);
+    if constexpr (T > 4)
+      half_avx2<BITS, T - 4, VNNI>(q + 4 * K, K, xs + 4 * blocks, xsum + 4 * blocks, w, h, out + 4 * kGroup);
+  }
 }
 
 // Unsigned quant of column k of row r in a packed block.
@@ -236,16 +260,18 @@ void tile_plain(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum
 
 using TileFn = void (*)(const int8_t*, int64_t, const float*, const int32_t*, const uint8_t*, float*);
 
-#define TILES(NAME, BITS) \
-  {NAME<BITS, 1>, NAME<BITS, 2>, NAME<BITS, 3>, NAME<BITS, 4>, \
-   NAME<BITS, 5>, NAME<BITS, 6>, NAME<BITS, 7>, NAME<BITS, 8>}
+#define TILES(NAME, BITS, ...) \
+  {NAME<BITS, 1, ##__VA_ARGS__>, NAME<BITS, 2, ##__VA_ARGS__>, NAME<BITS, 3, ##__VA_ARGS__>, \
+   NAME<BITS, 4, ##__VA_ARGS__>, NAME<BITS, 5, ##__VA_ARGS__>, NAME<BITS, 6, ##__VA_ARGS__>, \
+   NAME<BITS, 7, ##__VA_ARGS__>, NAME<BITS, 8, ##__VA_ARGS__>}
 
 TileFn tile_for(Isa isa, int bits, int tokens) {
-  static const TileFn vnni[2][kTokens] = {TILES(tile_vnni, 5), TILES(tile_vnni, 8)};
-  static const TileFn avx2[2][kTokens] = {TILES(tile_avx2, 5), TILES(tile_avx2, 8)};
-  static const TileFn plain[2][kTokens] = {TILES(tile_plain, 5), TILES(tile_plain, 8)};
-  const int kind = bits == 5 ? 0 : 1;
-  return (isa == Isa::vnni ? vnni : isa == Isa::avx2 ? avx2 : plain)[kind][tokens - 1];
+  static const TileFn tiles[4][2][kTokens] = {
+      {TILES(tile_plain, 5), TILES(tile_plain, 8)},
+      {TILES(tile_avx2, 5, false), TILES(tile_avx2, 8, false)},
+      {TILES(tile_avx2, 5, true), TILES(tile_avx2, 8, true)},
+      {TILES(tile_avx512, 5), TILES(tile_avx512, 8)}};
+  return tiles[static_cast<int>(isa)][bits == 5 ? 0 : 1][tokens - 1];
 }
 
 // One GGUF block of one row -> its 32 unsigned quants and d (as a half's bytes).
@@ -342,8 +368,7 @@ at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bit
   TORCH_CHECK(!b || bias->numel() == N, "q32_linear: bias must have N = ", N, " elements");
   float* out = y.data_ptr<float>();
   const int64_t group_bytes = blocks * block_bytes(bits);
-  const int64_t pass = isa == Isa::avx2 ? 2 : kTokens;
-  speculative::over_groups<kTokens>(M, N, pass, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
+  speculative::over_groups<kTokens>(M, N, kTokens, b, out, [&](int64_t m0, int tokens, int64_t g, float* sums) {
     tile_for(isa, bits, tokens)(q.data() + m0 * K, K, xs.data() + m0 * blocks, xsum.data() + m0 * blocks,
                                 w + g * group_bytes, sums);
   });

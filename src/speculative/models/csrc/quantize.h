@@ -41,8 +41,8 @@ __attribute__((target("avx2"))) inline float abs_max_avx2(const float* x, int64_
 
 // The largest |x[k]| (NaNs skipped).
 inline float abs_max(const float* x, int64_t n, Isa isa) {
-  if (isa == Isa::vnni) return abs_max_avx512(x, n);
-  if (isa == Isa::avx2) return abs_max_avx2(x, n);
+  if (wide(isa)) return abs_max_avx512(x, n);
+  if (isa != Isa::plain) return abs_max_avx2(x, n);
   float peak = 0.f;
   for (int64_t k = 0; k < n; ++k) peak = std::max(peak, std::fabs(x[k]));
   return peak;
@@ -82,8 +82,8 @@ __attribute__((target("avx2"))) inline void to_int8_avx2(const float* x, int64_t
 
 // out[k] = x[k] * inverse, rounded to nearest and clamped to +-127.
 inline void to_int8(const float* x, int64_t n, float inverse, int8_t* out, Isa isa) {
-  if (isa == Isa::vnni) return to_int8_avx512(x, n, inverse, out);
-  if (isa == Isa::avx2) return to_int8_avx2(x, n, inverse, out);
+  if (wide(isa)) return to_int8_avx512(x, n, inverse, out);
+  if (isa != Isa::plain) return to_int8_avx2(x, n, inverse, out);
   for (int64_t k = 0; k < n; ++k) out[k] = to_int8_one(x[k], inverse);
 }
 
