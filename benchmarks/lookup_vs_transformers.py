@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
-from speculative.entrypoints.engine_args import LOOKUP_K as K  # our lookup's default K
+from speculative.core.config import LOOKUP_K as K  # our lookup's default K
 from speculative.models.loading import _load_transformers, _prepare, resolve
 
 PEER_K = 10  # transformers' documented prompt_lookup_num_tokens

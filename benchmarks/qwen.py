@@ -32,7 +32,7 @@ from speculative import NGramProposer, SpeculativeConfig, load_model
 from speculative.entrypoints.bench import Method, Result, hf_generate, plain_method, run_methods, speculative_method
 from speculative.models.loading import load_draft
 from speculative.models.precision import first_divergence
-from speculative.train.vocab import corpus_vocab
+from speculative.proposers.vocab import corpus_vocab
 
 HERE = Path(__file__).parent
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

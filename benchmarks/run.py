@@ -361,11 +361,11 @@ def section_heads_gemma_chat(dtype="auto"):
 
     target, head = load_model("gemma-3-270m", dtype=dtype), load_draft("gemma-3-270m-head")  # as --draft-dtype auto
     _, chat = sharegpt_data(target.tokenizer, 1, 10)  # held-out prompts (and one training token)
-    shapes = {"head K=2": (head, dict(num_draft_tokens=2, adaptive=False)),
-              "head K=4": (head, dict(num_draft_tokens=4, adaptive=False)),
-              "head adaptive (K<=4)": (head, dict(num_draft_tokens=4)),
+    shapes = {"head K=2": (head, dict(num_draft_tokens=2, adaptive=False, prompt_lookup=False)),
+              "head K=4": (head, dict(num_draft_tokens=4, adaptive=False, prompt_lookup=False)),
+              "head adaptive (K<=4)": (head, dict(num_draft_tokens=4, prompt_lookup=False)),
               "head tree top-2 5 nodes": (head, dict(num_draft_tokens=3, tree_top_k=2, tree_max_tokens=5,
-                                                     adaptive=False)),
+                                                     adaptive=False, prompt_lookup=False)),
               "head+lookup K=4": (head, dict(num_draft_tokens=4, adaptive=False, prompt_lookup=True)),
               "head+lookup adaptive (K<=4)": (head, dict(num_draft_tokens=4, prompt_lookup=True)),
               "ngram K=4": (NGramProposer(num_draft_tokens=4), dict(num_draft_tokens=4, adaptive=False)),
@@ -405,7 +405,8 @@ def head_figures(target, models: dict, ids, max_new: int, head_preset: str) -> d
 
     judged = {}
     for name, model in models.items():
-        decoder = SpeculativeDecoder(target, model, SpeculativeConfig(num_draft_tokens=4, adaptive=False))
+        decoder = SpeculativeDecoder(target, model, SpeculativeConfig(num_draft_tokens=4, adaptive=False,
+                                                                      prompt_lookup=False))
         for row in ids:
             decoder.generate(row, max_new)
         stats = decoder.stats

@@ -60,7 +60,8 @@ def engine_pass(engine, prompts):
 
 
 def repeated(target, prompts, passes=2) -> dict:
-    tree = SpeculativeConfig(num_draft_tokens=DEPTH, tree_top_k=TOP_K, tree_max_tokens=NODES, adaptive=False)
+    tree = SpeculativeConfig(num_draft_tokens=DEPTH, tree_top_k=TOP_K, tree_max_tokens=NODES, adaptive=False,
+                             prompt_lookup=False)
     engines = {"plain": Engine(target, None, max_batch_size=1),
                f"ngram tree top-{TOP_K} {NODES} nodes": Engine(target, NGramProposer(num_draft_tokens=DEPTH), tree, 1),
                f"suffix tree top-{TOP_K} {NODES} nodes": Engine(target, SuffixProposer(num_draft_tokens=DEPTH), tree, 1)}
@@ -188,9 +189,9 @@ def tau_section(save) -> dict:
     resamples = [[draw.randrange(len(ids)) for _ in ids] for _ in range(2000)]
     widths = []
     for width, depth in TAU_WIDTHS:
-        chain, chain_same = counts(SpeculativeConfig(num_draft_tokens=width, adaptive=False))
+        chain, chain_same = counts(SpeculativeConfig(num_draft_tokens=width, adaptive=False, prompt_lookup=False))
         tree, tree_same = counts(SpeculativeConfig(num_draft_tokens=depth, tree_top_k=MODEL_TOP_K,
-                                                   tree_max_tokens=width, adaptive=False))
+                                                   tree_max_tokens=width, adaptive=False, prompt_lookup=False))
         every, first = range(len(ids)), range(10)
         ratios = sorted(tau(tree, picks) / tau(chain, picks) for picks in resamples)
         row = {"width": width, "depth": depth, "chain_tau": round(tau(chain, every), 3),

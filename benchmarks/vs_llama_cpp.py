@@ -143,7 +143,7 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
     draft = load_draft("qwen2.5-coder-0.5b", dtype="int8")
     lookup = NGramProposer(num_draft_tokens=16)
     ours = {"ours int8 + lookup": engine_method(target, lookup, SpeculativeConfig(num_draft_tokens=16)),
-            "ours int8 + 0.5B int8 draft": engine_method(target, draft, SpeculativeConfig(num_draft_tokens=4)),
+            "ours int8 + 0.5B int8 draft": engine_method(target, draft, SpeculativeConfig(prompt_lookup=False)),
             "ours int8 + lookup + 0.5B draft": engine_method(
                 target, draft, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
     kquant = load_model("qwen2.5-coder-1.5b", dtype="gguf")  # the file's own Q4_K / Q6_K blocks
@@ -160,8 +160,8 @@ def qwen_section(save_per_machine, workloads, runs: int = 2, log=print) -> None:
 
 
 def default_vocab(tokenizer):
-    """The reduced vocabulary `--draft-vocab auto` gives the 0.5B draft (train/vocab.py)."""
-    from speculative.train.vocab import AUTO_DRAFT_VOCAB, corpus_vocab
+    """The reduced vocabulary `--draft-vocab auto` gives the 0.5B draft (proposers/vocab.py)."""
+    from speculative.proposers.vocab import AUTO_DRAFT_VOCAB, corpus_vocab
 
     return corpus_vocab(tokenizer, AUTO_DRAFT_VOCAB)
 
@@ -175,7 +175,7 @@ def gemma_section(save_per_machine, workloads, runs: int = 2, log=print) -> None
     head = load_draft("gemma-3-270m-head")
     ours = {"ours int8 + lookup": engine_method(target, NGramProposer(num_draft_tokens=16),
                                                 SpeculativeConfig(num_draft_tokens=16)),
-            "ours int8 + head": engine_method(target, head, SpeculativeConfig(num_draft_tokens=4)),
+            "ours int8 + head": engine_method(target, head, SpeculativeConfig(prompt_lookup=False)),
             "ours int8 + lookup + head": engine_method(
                 target, head, SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True))}
     compare(save_per_machine, "llama-cpp-gemma", "Against llama.cpp: Gemma 3 270M, Q4_K_M GGUF", gguf,

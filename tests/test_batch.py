@@ -36,7 +36,8 @@ def test_rows_that_finish_early_on_eos():
     draft = perturbed(target, 0.05, seed=4)
     reference = [autoregressive_generate(target, p, 30) for p in PROMPTS]
     eos = reference[1][4]  # ends row 1 early; other rows end where it first appears, if at all
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4,
+                                                                prompt_lookup=False))
     outs = decoder.generate(PROMPTS, 30, eos_token_id=eos)
     for out, ref in zip(outs, reference):
         assert out == (ref[:ref.index(eos) + 1] if eos in ref else ref)
@@ -57,7 +58,8 @@ def cycle_tables():
 
 def test_one_row_always_accepts_while_another_never_does():
     target, draft = cycle_tables()
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=4,
+                                                                prompt_lookup=False))
     outs = decoder.generate([[0], [8]], 30)
     assert outs == [autoregressive_generate(target, [0], 30), autoregressive_generate(target, [8], 30)]
     # Row 0 keeps every draft (5 tokens per step), row 1 none: its rejections cost row 0 nothing.

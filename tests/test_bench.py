@@ -80,7 +80,8 @@ class SlowUselessDraft:
 
 def test_adaptive_k_stops_drafting_with_a_useless_draft():
     target = tiny("decoder_only", seed=3)
-    decoder = SpeculativeDecoder(target, SlowUselessDraft(target), SpeculativeConfig(num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, SlowUselessDraft(target), SpeculativeConfig(num_draft_tokens=4,
+                                                                                    prompt_lookup=False))
     ids = [5, 9, 2, 7]
     out = decoder.generate(ids, 120)
     assert out == autoregressive_generate(target, ids, 120)
@@ -118,7 +119,7 @@ class CostlyTarget(TableModel):
 def test_adaptive_k_drafts_the_most_when_the_draft_is_cheap_and_perfect():
     table = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 3
     target, draft = CostlyTarget(table), TableModel(table)
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=6))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=6, prompt_lookup=False))
     ids = [5, 9, 2, 7]
     assert decoder.generate(ids, 70) == autoregressive_generate(target, ids, 70)
     assert decoder.stats.acceptance_rate == 1.0

@@ -16,10 +16,13 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from speculative.entrypoints.batch import ModelSpec
 from speculative.entrypoints.cli import main
-from speculative.entrypoints.engine_args import LOOKUP_K, MODEL_K, EngineArgs
+from speculative.core.config import LOOKUP_K, MODEL_K
+from speculative.entrypoints.engine_args import EngineArgs
+from speculative.proposers import NGramProposer
 from speculative.models.loading import ASSETS
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
@@ -167,17 +170,76 @@ def test_draft_vocab_auto_reduces_only_a_draft_model_over_a_large_vocabulary(mon
     (Qwen2.5-Coder 0.5B's 151,936), all tokens for smaller ones and for lookup; a number given
     is taken as it is, 0 meaning all tokens."""
     from speculative.proposers import NGramProposer
-    from speculative.train import vocab
+    from speculative.proposers import vocab
     from tests.helpers import tiny
 
     counted = []
-    monkeypatch.setattr(vocab, "corpus_vocab", lambda tokenizer, n, corpus: counted.append((n, corpus)) or n)
+    monkeypatch.setattr(vocab, "corpus_vocab", lambda tokenizer, n, corpus="stdlib": counted.append((n, corpus)) or n)
     large, small = tiny("decoder_only", vocab=vocab.LARGE_VOCAB + 1), tiny("decoder_only", vocab=vocab.LARGE_VOCAB)
     assert [vocab.auto_size(large), vocab.auto_size(small)] == [vocab.AUTO_DRAFT_VOCAB, 0]
     assert vocab.auto_size(NGramProposer()) == vocab.auto_size(None) == 0
     auto = EngineArgs(draft="default-draft").validate()
     assert auto.draft_vocab is None
-    assert [auto.vocabulary(None, large), auto.vocabulary(None, small)] == [vocab.AUTO_DRAFT_VOCAB, None]
-    assert EngineArgs(draft_vocab=0).vocabulary(None, large) is None
-    assert EngineArgs(draft_vocab=100).vocabulary(None, small) == 100
+    tokenizer = object()  # (read by corpus_vocab only, stood in for above)
+    assert [auto.vocabulary(tokenizer, large), auto.vocabulary(tokenizer, small)] == [vocab.AUTO_DRAFT_VOCAB, None]
+    assert auto.vocabulary(None, large) is None  # no tokenizer to count with: all tokens
+    assert EngineArgs(draft_vocab=0).vocabulary(tokenizer, large) is None
+    assert EngineArgs(draft_vocab=100).vocabulary(tokenizer, small) == 100
     assert counted == [(vocab.AUTO_DRAFT_VOCAB, "stdlib"), (100, "stdlib")]
+
+
+DRAFTING = ("num_draft_tokens", "lookup_draft_tokens", "adaptive", "prompt_lookup", "min_ngram", "max_ngram",
+            "draft_temperature", "tree_top_k", "tree_max_tokens")
+
+
+def drafting(decoder) -> tuple:
+    """What a decoder drafts with: its config's drafting settings, its proposer's kinds and K,
+    and the vocabulary its draft model scores."""
+    proposer = decoder.proposer
+    parts = [type(proposer).__name__]
+    for inner in (getattr(proposer, "drafter", None), getattr(proposer, "ngram", None)):
+        if inner is not None:
+            parts.append(type(inner).__name__)
+    lookup = getattr(proposer, "ngram", proposer if isinstance(proposer, NGramProposer) else None)
+    model_proposer = getattr(proposer, "drafter", proposer)
+    vocab = getattr(model_proposer, "vocab", None)
+    return (tuple(getattr(decoder.config, name) for name in DRAFTING), tuple(parts),
+            getattr(lookup, "num_draft_tokens", None), None if vocab is None else vocab.tolist())
+
+
+def test_the_python_api_drafts_with_the_command_lines_defaults(tmp_path, monkeypatch):
+    """SpeculativeDecoder(target, draft) and Engine(target, draft), with nothing set, draft as
+    `generate` does with the same models (EngineArgs: the partner draft behind prompt lookup,
+    K, lookup K, n-gram sizes, the adaptive policy, the reduced vocabulary of a draft over a
+    large one); one set of defaults (core.config, proposers.default_config, vocab.auto_vocab)."""
+    from speculative import Engine, SpeculativeDecoder, load_model, save_model
+    from speculative.models.loading import load_draft
+    from speculative.proposers import vocab
+    from tests.helpers import tiny
+
+    built = EngineArgs(target="default").build()  # its partner: default-draft+ngram
+    library = SpeculativeDecoder(load_model("default"), load_draft("default-draft"))
+    assert drafting(library) == drafting(built.decoder())
+    assert drafting(library)[1] == ("HybridProposer", "DraftModelProposer", "NGramProposer")
+    lookup = EngineArgs(target="default", draft="ngram").build()
+    assert drafting(SpeculativeDecoder(lookup.target, NGramProposer())) == drafting(lookup.decoder())
+    assert drafting(lookup.decoder())[2] == LOOKUP_K
+    engine = Engine(built.target, NGramProposer())
+    assert (engine.config.num_draft_tokens, engine.config.adaptive) == (LOOKUP_K, True)
+    # A draft over a large vocabulary: the same reduced vocabulary by both roads.
+    monkeypatch.setattr(vocab, "corpus_vocab", lambda tokenizer, n, corpus="stdlib": torch.arange(0, 2 * n, 2))
+    monkeypatch.setattr(vocab, "AUTO_DRAFT_VOCAB", 1000)
+    save_model(tiny("decoder_only", vocab=vocab.LARGE_VOCAB + 1, seed=1), tmp_path / "target")
+    save_model(tiny("decoder_only", vocab=vocab.LARGE_VOCAB + 1, seed=2), tmp_path / "draft")
+    target = load_model(tmp_path / "target", dtype="float32")
+    target.tokenizer = built.tokenizer
+    args = EngineArgs(target=str(tmp_path / "target"), draft=f"{tmp_path / 'draft'}+ngram", dtype="float32",
+                      draft_dtype="float32")
+    cli = args.validate()
+    cli_decoder = SpeculativeDecoder(target, load_draft(tmp_path / "draft", dtype="float32"), cli.config(),
+                                     draft_vocab=cli.vocabulary(target.tokenizer, target))
+    library = SpeculativeDecoder(target, load_draft(tmp_path / "draft", dtype="float32"))
+    assert drafting(library)[0] == drafting(cli_decoder)[0]
+    assert drafting(library)[3] == drafting(cli_decoder)[3] == list(range(0, 2000, 2))
+    ids = [5, 6, 7, 8] * 3
+    assert library.generate(ids, 12) == cli_decoder.generate(ids, 12)

@@ -46,7 +46,8 @@ def test_greedy_equals_autoregressive(draft_type, target_type):
 def test_draft_equal_to_target_takes_the_bonus_path():
     target = tiny("decoder_only", seed=3)
     ids = prompt(7, seed=1)
-    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(adaptive=False, num_draft_tokens=4))
+    decoder = SpeculativeDecoder(target, target, SpeculativeConfig(adaptive=False, num_draft_tokens=4,
+                                                                   prompt_lookup=False))
     assert decoder.generate(ids, 25) == autoregressive_generate(target, ids, 25)
     assert decoder.acceptance_rate() == 1.0
     assert decoder.stats.target_forwards == 5  # 5 tokens per forward: 4 accepted + 1 bonus

@@ -252,7 +252,7 @@ def test_greedy_speculation_on_an_int8_target_is_its_own_greedy_decoding(int8_pa
              "ngram": lambda: NGramProposer(max_ngram=3),
              "tree": lambda: load_model(root / "draft", dtype="int8"),
              "self": lambda: target}[draft_kind]()
-    config = SpeculativeConfig(adaptive=False, num_draft_tokens=5,
+    config = SpeculativeConfig(adaptive=False, num_draft_tokens=5, prompt_lookup=False,
                                **({"tree_top_k": 2, "tree_max_tokens": 9} if draft_kind == "tree" else {}))
     decoder = SpeculativeDecoder(target, draft, config)
     prompts = [[1, 2, 3], list(range(10, 40)) * 2, [7] * 5]

@@ -405,7 +405,8 @@ def test_greedy_speculation_on_a_kquant_target_is_its_own_greedy_decoding(kquant
     draft = {"ngram": lambda: NGramProposer(max_ngram=3), "self": lambda: kquant_model,
              "float draft": lambda: load_model(write_model(tmp_path_factory.mktemp("draft"), 96, 1), "cpu",
                                                "float32")}[draft_kind]()
-    decoder = SpeculativeDecoder(kquant_model, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=5))
+    decoder = SpeculativeDecoder(kquant_model, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=5,
+                                                                        prompt_lookup=False))
     prompts = [[1, 2, 3], list(range(10, 40)) * 2, [7] * 5]
     for prompt in prompts:
         assert decoder.generate(prompt, 40) == autoregressive_generate(kquant_model, prompt, 40)

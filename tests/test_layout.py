@@ -28,7 +28,8 @@ MOVED = {
     **{name: f"policy.{name}" for name in ["adaptive", "costs", "estimates", "tree_budget"]},
     **{name: f"models.{name}" for name in ["kernels", "loading", "precision", "presets", "text"]},
     **{name: f"runtime.{name}" for name in ["admission", "decoder", "engine", "phases"]},
-    "vocab": "train.vocab",
+    "vocab": "proposers.vocab",
+    "train.vocab": "proposers.vocab",
     **{name: f"entrypoints.{name}" for name in
        ["batch", "batch_command", "batch_files", "batch_ray", "bench", "bench_command", "bench_engine",
         "bench_report", "cli", "cli_checks", "engine_args", "export", "prompt_files"]},

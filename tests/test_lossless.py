@@ -71,6 +71,9 @@ def total_variation(a, b, config):
     return 0.5 * float((pa - pb).abs().sum())
 
 
+# Sampled, fixed K, the draft model alone (no prompt lookup in front).
+SAMPLED = dict(adaptive=False, greedy_verification=False, prompt_lookup=False)
+
 CASES = {
     "greedy draft": dict(draft_temperature=0.0),
     "cool draft": dict(draft_temperature=0.5),
@@ -86,7 +89,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(models, case):
     draft, target = models
-    settings = {"adaptive": False, "greedy_verification": False, "num_draft_tokens": 2, **CASES[case]}
+    settings = {**SAMPLED, "num_draft_tokens": 2, **CASES[case]}
     config = SpeculativeConfig(**settings)
     assert total_variation(draft, target, config) > 0.25  # the draft clearly differs
     decoder = SpeculativeDecoder(target, draft, config)
@@ -99,7 +102,7 @@ def test_speculative_sampling_matches_target_distribution(models, case):
 def test_s4d_pair_is_lossless():
     target = sharpen(tiny("s4d", vocab=VOCAB, seed=13), 12.0)
     draft = sharpen(tiny("s4d", vocab=VOCAB, seed=14), 12.0)
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(**SAMPLED, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, draft, config)
     assert g_test_pvalue(draw(decoder), exact_joint(target, config)) > P_MIN
     assert 0 < decoder.acceptance_rate() < 1
@@ -108,7 +111,7 @@ def test_s4d_pair_is_lossless():
 @pytest.mark.slow
 def test_draft_equal_to_target_accepts_everything(models):
     _, target = models
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(**SAMPLED, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, target, config)
     counts = draw(decoder)
     assert decoder.acceptance_rate() == 1.0
@@ -122,7 +125,7 @@ def test_draft_mass_on_a_token_the_target_never_emits():
     draft_table = torch.full((VOCAB, VOCAB), -30.0)
     draft_table[:, 0] = 30.0  # the draft always proposes token 0
     draft = TableModel(draft_table)
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(**SAMPLED, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, draft, config)
     counts = draw(decoder)
     assert decoder.acceptance_rate() == 0.0
@@ -131,7 +134,7 @@ def test_draft_mass_on_a_token_the_target_never_emits():
 
 def test_top_k_1_is_greedy(models):
     draft, target = models
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, top_k=1, num_draft_tokens=3)
+    config = SpeculativeConfig(**SAMPLED, top_k=1, num_draft_tokens=3)
     outs = SpeculativeDecoder(target, draft, config).generate([PROMPT] * 200, 8, seeds=list(range(200)))
     assert all(out == autoregressive_generate(target, PROMPT, 8) for out in outs)
 
@@ -140,7 +143,7 @@ def test_top_k_1_is_greedy(models):
 def test_exact_joint_matches_plain_sampling(models):
     """The reference itself: autoregressive sampling against the enumerated distribution."""
     _, target = models
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, top_p=0.9)
+    config = SpeculativeConfig(**SAMPLED, top_p=0.9)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, config, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
@@ -151,11 +154,11 @@ def test_exact_joint_matches_plain_sampling(models):
 def test_the_g_test_detects_a_wrong_distribution(models):
     """The check has teeth: samples at another temperature are rejected."""
     _, target = models
-    hot = SpeculativeConfig(adaptive=False, greedy_verification=False, target_temperature=1.3)
+    hot = SpeculativeConfig(**SAMPLED, target_temperature=1.3)
     outs = autoregressive_generate(target, [PROMPT] * DRAWS, LENGTH, hot, seeds=list(range(DRAWS)))
     index = torch.tensor([o[0] * VOCAB ** 2 + o[1] * VOCAB + o[2] for o in outs])
     counts = torch.bincount(index, minlength=VOCAB ** LENGTH)
-    plain = SpeculativeConfig(adaptive=False, greedy_verification=False)
+    plain = SpeculativeConfig(adaptive=False, greedy_verification=False, prompt_lookup=False)
     assert g_test_pvalue(counts, exact_joint(target, plain)) < P_MIN
 
 
@@ -164,7 +167,7 @@ def test_batch_of_one_is_lossless_too(models):
     """The draws above run as batches of 5,000 rows; here one sequence at a time (fewer
     draws, so the first two tokens only: 64 cells)."""
     draft, target = models
-    config = SpeculativeConfig(adaptive=False, greedy_verification=False, num_draft_tokens=2, draft_temperature=1.0)
+    config = SpeculativeConfig(**SAMPLED, num_draft_tokens=2, draft_temperature=1.0)
     decoder = SpeculativeDecoder(target, draft, config)
     draws = 3_000
     counts = torch.zeros(VOCAB ** 2)

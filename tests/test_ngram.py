@@ -135,7 +135,7 @@ def test_lookup_trees_reach_their_own_depth_behind_a_model_and_stay_exact():
 
 def test_lookup_draft_tokens_needs_prompt_lookup_and_a_bound():
     with pytest.raises(ValueError, match="applies with prompt_lookup=True"):
-        SpeculativeConfig(lookup_draft_tokens=8)
+        SpeculativeConfig(prompt_lookup=False, lookup_draft_tokens=8)
     with pytest.raises(ValueError, match="lookup_draft_tokens is 65, above its upper bound"):
         SpeculativeConfig(prompt_lookup=True, lookup_draft_tokens=65)
     with pytest.raises(ValueError, match="lookup_draft_tokens"):
@@ -143,3 +143,4 @@ def test_lookup_draft_tokens_needs_prompt_lookup_and_a_bound():
     assert SpeculativeConfig(num_draft_tokens=4, prompt_lookup=True, lookup_draft_tokens=24).longest_draft == 24
     assert SpeculativeConfig(num_draft_tokens=6, prompt_lookup=True, lookup_draft_tokens=3).longest_draft == 6
     assert SpeculativeConfig(num_draft_tokens=6).longest_draft == 6
+    assert SpeculativeConfig(lookup_draft_tokens=8).prompt_lookup  # on by default

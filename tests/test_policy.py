@@ -70,7 +70,7 @@ def run(agreement_rows: int, costs=BFLOAT16, prompts: int = 40, new_tokens: int 
     (forward, token, wide), (draft_forward, draft_token) = costs
     target = Timed(TableModel(target_table), clock, forward, token, seed=1, wide=wide)
     draft = Timed(TableModel(draft_table), clock, draft_forward, draft_token, seed=2)
-    config = SpeculativeConfig(num_draft_tokens=4)
+    config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=False)  # the draft model alone
     policy = AdaptivePolicy(max_k=4)
     gen = torch.Generator().manual_seed(3)
     late = {"drafted": 0, "forwards": 0, "accepted": 0}

@@ -409,9 +409,10 @@ def test_draft_model_trees_are_greedy_exact_in_ragged_batches(vocab, kept_paths)
     draft = perturbed(target, 0.3, seed=1)
     prompts, budgets = repetitive_prompts(4, seed=2), [30, 5, 17, 1]
     expected = autoregressive_generate(target, prompts, budgets)
-    chain = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, adaptive=False), draft_vocab=vocab)
+    alone = dict(adaptive=False, prompt_lookup=False)  # the draft model's own trees
+    chain = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, **alone), draft_vocab=vocab)
     decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=4, tree_top_k=3, tree_max_tokens=10,
-                                                                  adaptive=False), draft_vocab=vocab)
+                                                                  **alone), draft_vocab=vocab)
     assert decoder.generate(prompts, budgets) == expected and chain.generate(prompts, budgets) == expected
     assert any(off_first_branch(tree, path) for tree, path in kept_paths)
     if vocab is not None:

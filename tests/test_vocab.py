@@ -6,7 +6,7 @@ import torch
 from speculative import SpeculativeConfig, SpeculativeDecoder, autoregressive_generate
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.core.sampling import Sampler
-from speculative.train.vocab import corpus_vocab, frequent_tokens
+from speculative.proposers.vocab import corpus_vocab, frequent_tokens
 from tests.helpers import TableModel, perturbed, sharpen, tiny
 
 
@@ -63,7 +63,8 @@ def test_greedy_with_a_reduced_vocabulary_equals_autoregressive(draft_type):
     subset = half_vocab()  # the target's argmax is often outside: those steps must reject
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (2, 9, 30)]
     for k in (1, 4):
-        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=k),
+        decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(adaptive=False, num_draft_tokens=k,
+                                                                      prompt_lookup=False),
                                      draft_vocab=subset)
         outs = decoder.generate(prompts, 25)
         assert outs == [autoregressive_generate(target, p, 25) for p in prompts]

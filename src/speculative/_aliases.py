@@ -21,13 +21,14 @@ _LAYERS = {
     "policy": ("adaptive", "costs", "estimates", "tree_budget"),
     "models": ("kernels", "loading", "precision", "presets", "text"),
     "runtime": ("admission", "decoder", "engine", "phases"),
-    "train": ("vocab",),
+    "proposers": ("vocab",),
     "entrypoints": ("batch", "batch_command", "batch_files", "batch_ray", "bench", "bench_command", "bench_engine",
                     "bench_report", "cli", "cli_checks", "engine_args", "export", "prompt_files"),
 }
 # Old dotted module name -> new one.
 MOVED = {f"speculative.{name}": f"speculative.{layer}.{name}" for layer, names in _LAYERS.items() for name in names}
 MOVED["speculative.train.head_command"] = "speculative.entrypoints.train_head_command"
+MOVED["speculative.train.vocab"] = "speculative.proposers.vocab"
 # Packages moved whole: their modules follow them.
 MOVED_PACKAGES = {"speculative.serve": "speculative.entrypoints.serve"}
 

@@ -14,6 +14,13 @@ from .sampling import MIN_TEMPERATURE
 # torch.Generator.manual_seed takes seeds up to 2**64 - 1 (and aliases negative ones onto them).
 MAX_SEED = 2 ** 64 - 1
 
+# The drafting defaults, one set for the Python API and every front-end (EngineArgs): K of a
+# draft model or head, and K of lookup drafts without a model (ngram, suffix), whose matches
+# draft for free and whose length the adaptive policy cuts to what pays; K + 1 = 16 rows fill
+# an AMX tile, and 15 beat 24 on grounded editing (dev/LOG.md, 2026-12-05).
+MODEL_K = 4
+LOOKUP_K = 15
+
 # Upper bounds of the sizes a user sets, checked before anything is allocated: each
 # allocation grows with them, so an absurd value would exhaust memory instead of failing.
 # K: every step scores K + 1 positions per row, (B, K+1, V) logits.
@@ -43,8 +50,9 @@ class SpeculativeConfig:
     """
 
     # K: tokens the draft proposes per step; the target scores all of them in one forward.
-    # With `adaptive`, the largest K the policy may choose.
-    num_draft_tokens: int = 4
+    # With `adaptive`, the largest K the policy may choose. (A lookup proposer passed as the
+    # draft with no config: its own K, LOOKUP_K by default: `proposers.default_config`.)
+    num_draft_tokens: int = MODEL_K
     # Temperature of the draft's proposals (0, or below sampling.MIN_TEMPERATURE = greedy
     # drafts). Never changes the output.
     draft_temperature: float = 1.0
@@ -66,9 +74,11 @@ class SpeculativeConfig:
     # that cannot pay.
     # Sampling with a seed keeps K fixed, so that output is reproducible.
     adaptive: bool = True
-    # With a draft model: take the tokens that followed the last n-gram (n >= 2) earlier in
-    # the prompt and output when there is one, and ask the draft model only otherwise.
-    prompt_lookup: bool = False
+    # With a draft model or head: take the tokens that followed the last n-gram earlier in the
+    # prompt and output when there is one, and ask the draft model only otherwise (what
+    # `generate` does with a target's partner draft: MODEL+ngram). Lookup drafts for free, so
+    # it is on unless turned off.
+    prompt_lookup: bool = True
     # With prompt_lookup: the shortest and longest n-grams looked up (longest first).
     min_ngram: int = 1
     max_ngram: int = 4

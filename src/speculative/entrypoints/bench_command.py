@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..core.config import MAX_NEW_TOKENS, MAX_TREE_TOKENS, MAX_TREE_TOP_K
-from ..train.vocab import auto_size
+from ..proposers.vocab import auto_size
 from .cli_checks import integer, integer_list
 from .engine_args import EngineArgs, draft_model_name
 

@@ -15,18 +15,13 @@ import logging
 import math
 from dataclasses import dataclass, fields, replace
 
-from ..core.config import (MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TREE_TOKENS, MAX_TREE_TOP_K,
-                     SpeculativeConfig)
+from ..core.config import (LOOKUP_K, MAX_BATCH_SIZE, MAX_DRAFT_TOKENS, MAX_NGRAM, MAX_SEED, MAX_TREE_TOKENS,
+                           MAX_TREE_TOP_K, MODEL_K, SpeculativeConfig)
 from .cli_checks import integer, number
 
 log = logging.getLogger("speculative")
 
 LOOKUPS = ("ngram", "suffix")  # drafts without a model: prompt lookup, and lookup plus the engine's suffix cache
-# Default K without a model: a match proposes up to K, the adaptive policy verifies what pays;
-# K + 1 = 16 rows fill an AMX tile, and 15 beat 24 on grounded editing (dev/LOG.md, 2026-12-05).
-LOOKUP_K = 15
-# Default K of a draft model.
-MODEL_K = 4
 # What the drafts without a model draft with, for errors about options that need a model.
 NO_MODEL = {"none": "it drafts nothing", "ngram": "prompt lookup, no draft model",
             "suffix": "lookup, no draft model"}
@@ -81,7 +76,7 @@ class EngineArgs:
     dtype: str = "auto"
     draft_dtype: str = "auto"
     # The draft model scores only this many frequent tokens of draft_vocab_corpus (0: all;
-    # None: auto, train.vocab.auto_size).
+    # None: auto, proposers.vocab.auto_vocab, as the Python API).
     draft_vocab: int | None = None
     draft_vocab_corpus: str = "stdlib"
     # Requests one engine runs at once.
@@ -262,15 +257,13 @@ class EngineArgs:
         return load_draft(draft_model_name(self.draft), device=device, dtype=self.draft_dtype)
 
     def vocabulary(self, tokenizer, draft=None):
-        """The reduced draft vocabulary --draft-vocab asks for (auto: `vocab.auto_size` of
-        `draft`), or None (all tokens)."""
-        from ..train import vocab
+        """The reduced draft vocabulary --draft-vocab asks for (auto: `vocab.auto_vocab` of
+        `draft`, as the Python API gives it), or None (all tokens)."""
+        from ..proposers import vocab
 
-        size = vocab.auto_size(draft) if self.draft_vocab is None else self.draft_vocab
-        if size and self.draft_vocab is None:
-            log.info("--draft-vocab auto: the draft model scores the %d most frequent of its %d tokens", size,
-                     draft.vocab_size)
-        return vocab.corpus_vocab(tokenizer, size, self.draft_vocab_corpus) if size else None
+        if self.draft_vocab is None:
+            return vocab.auto_vocab(draft, tokenizer)
+        return vocab.corpus_vocab(tokenizer, self.draft_vocab, self.draft_vocab_corpus) if self.draft_vocab else None
 
 
 @dataclass
@@ -397,4 +390,4 @@ def add_precision(group) -> None:
                        "(Python code) or a text or JSONL file (default: %(default)s)")
 
 
-__all__ = ["EngineArgs", "Built", "LOOKUPS", "LOOKUP_K", "MODEL_K", "describe_draft", "draft_model_name"]
+__all__ = ["EngineArgs", "Built", "LOOKUPS", "describe_draft", "draft_model_name"]

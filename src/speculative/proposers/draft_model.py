@@ -22,7 +22,7 @@ class DraftModelProposer:
     from q (their temperature, top-k, top-p) with their own generator.
 
     `vocab` (FR-Spec): the draft scores only these token ids, e.g. the most frequent
-    tokens of a corpus (`speculative.train.vocab`). With a vocabulary of 152k-262k tokens the
+    tokens of a corpus (`speculative.proposers.vocab`). With a vocabulary of 152k-262k tokens the
     output layer is a large share of a small draft's cost. It stays lossless: q is zero
     outside the subset, so those tokens are never drafted, and the target's residual
     max(0, p - q) keeps all of their probability.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 
-from ..core.config import MAX_DRAFT_TOKENS, MAX_NGRAM, at_most
+from ..core.config import LOOKUP_K, MAX_DRAFT_TOKENS, MAX_NGRAM, at_most
 from ..models.base import pad
 from ..core.tree import Tree, from_branches
 from .base import Proposal
@@ -89,7 +89,7 @@ class NGramProposer:
     branches = True  # drafts trees (free_trees)
     reads_features = False
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = 10, min_draft: int = 2):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = LOOKUP_K, min_draft: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if num_draft_tokens < 1 or min_draft < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..core.config import LOOKUP_K
 from ..models.base import pad
 from ..core.tree import Tree, from_branches
 from .base import Proposal
@@ -77,12 +78,16 @@ class SuffixProposer:
     branches = True
     reads_features = False
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = 10,
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, num_draft_tokens: int = LOOKUP_K,
                  max_tokens: int = 100_000):
         self.ngram = NGramProposer(max_ngram, min_ngram, num_draft_tokens)
         self.max_cached = max_tokens
         self.cache = SuffixCache(max_tokens, min_ngram, max_ngram)
         self.seen: list[list[int]] = []  # each row's sequence (the engine's own list, grown in place)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.ngram.num_draft_tokens
 
     def fork(self) -> "SuffixProposer":
         ngram = self.ngram

@@ -23,7 +23,7 @@ from ..core.stats import DecodeStats
 from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.costs import cost_book
-from ..proposers import as_proposer
+from ..proposers import as_proposer, default_config
 from .engine import LEARNING, Engine, check_compatible
 
 
@@ -47,10 +47,12 @@ class SpeculativeDecoder:
     """
 
     @renamed_keywords(main_model="target", draft_model="draft")
-    def __init__(self, target, draft, config: SpeculativeConfig | None = None, draft_vocab=None):
-        """`draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
-        `speculative.train.vocab.corpus_vocab`); None scores all."""
-        self.config = as_config(config)
+    def __init__(self, target, draft, config: SpeculativeConfig | None = None, draft_vocab="auto"):
+        """`config`: None gives the defaults `generate` runs with (`proposers.default_config`).
+        `draft_vocab`: token ids the draft model scores alone (a reduced vocabulary,
+        `speculative.proposers.vocab.corpus_vocab`); "auto" what `generate` gives it
+        (`vocab.auto_vocab`: 32,768 tokens for a draft over more than 65,536), None all."""
+        self.config = default_config(draft, config)
         check_model(target, "target")
         check_draft(draft)
         self.target = target

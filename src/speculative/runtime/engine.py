@@ -58,7 +58,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..core.config import SpeculativeConfig, as_config
+from ..core.config import SpeculativeConfig
 from ..core.inputs import check_draft, check_model, normalize_prompts
 from ..core.rows import RequestOutput, Row, SamplingParams
 from ..core.sampling import GREEDY, NonFiniteLogits, Sampler
@@ -67,7 +67,7 @@ from ..core.tree import can_branch
 from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy, FixedPolicy
 from ..policy.costs import cost_book
-from ..proposers import as_proposer
+from ..proposers import as_proposer, default_config
 from ..proposers.base import branches, reads_features
 from .admission import (check_batch_size, check_can_join_running, check_compatible, check_fits, check_params,
                         check_request_id, refill_order)
@@ -84,7 +84,10 @@ class Engine:
 
     `draft` is a model, a proposer (such as NGramProposer), or None for plain decoding
     through the same engine. `config` gives K (`num_draft_tokens`), `adaptive`,
-    `prompt_lookup` and `draft_temperature`; sampling settings come with each request.
+    `prompt_lookup` and `draft_temperature` (None: the defaults `generate` runs with,
+    `proposers.default_config`); sampling settings come with each request. `draft_vocab`:
+    the tokens a draft model scores ("auto": `proposers.vocab.auto_vocab`, as `generate`
+    does; None: all).
     Greedy requests get exactly the target's own greedy tokens, sampled ones exactly its
     distribution, whatever else runs beside them. `policy` and `totals` (a function giving
     a DecodeStats) let several engines learn and count together, as a decoder's do.
@@ -93,16 +96,16 @@ class Engine:
     """
 
     def __init__(self, target, draft=None, config: SpeculativeConfig | None = None, max_batch_size: int = 8, *,
-                 policy: AdaptivePolicy | None = None, totals: Callable[[], DecodeStats] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.config = config = as_config(config)
+                 draft_vocab="auto", policy: AdaptivePolicy | None = None,
+                 totals: Callable[[], DecodeStats] | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.config = config = default_config(draft, config)
         self.max_batch_size = check_batch_size(max_batch_size)
         check_model(target, "target")
         if draft is not None:
             check_draft(draft)
         self.target = target
         self.clock = clock  # every timing: the stats, and what the adaptive policy learns
-        self.proposer = as_proposer(draft, config, target=target).fork()
+        self.proposer = as_proposer(draft, config, draft_vocab, target=target).fork()
         check_compatible(target, self.proposer)
         # A feature draft (a draft head) is handed the target's hidden states (proposers/base.py).
         self.reads_features = reads_features(self.proposer)

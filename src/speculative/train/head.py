@@ -104,7 +104,8 @@ def head_loss(head: DraftHead, target, out_head, window: torch.Tensor, unroll: i
 def evaluate(target, head, prompts: list[list[int]], max_new_tokens: int = 64, k: int = 4) -> dict:
     """Greedy drafting with the head at fixed K on held-out prompts: alpha, alpha per
     position (accepted at i / drafted at i), tau, and whether every output matched."""
-    decoder = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=k, adaptive=False))
+    decoder = SpeculativeDecoder(target, head, SpeculativeConfig(num_draft_tokens=k, adaptive=False,
+                                                                 prompt_lookup=False))
     identical = True
     for ids in prompts:
         identical &= decoder.generate(ids, max_new_tokens) == autoregressive_generate(target, ids, max_new_tokens)

@@ -38,7 +38,8 @@ def acceptance(target, draft, prompts: list[list[int]], max_new_tokens: int = 64
     """Greedy speculative decoding on the prompts: alpha, tau, and whether the output
     matched the target's own. Past `deadline` (a time.perf_counter()) generation stops at
     the next token, after at least one prompt's first step."""
-    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=False))
+    decoder = SpeculativeDecoder(target, draft, SpeculativeConfig(num_draft_tokens=k, adaptive=False,
+                                                                  prompt_lookup=False))
     past = (lambda: False) if deadline is None else (lambda: time.perf_counter() > deadline)  # noqa: E731
     identical, done = True, 0
     for ids in prompts:

@@ -8,18 +8,27 @@ target's residual keeps all their probability.
 
 Corpora: `stdlib` (this interpreter's standard library, the training files of
 `speculative train`: code), or a text file / JSON-lines file of {"text": ...} or
-{"prompt": ...} objects.
+{"prompt": ...} objects. `auto_vocab` is what every front-end and the Python API give a draft
+model when nothing is said (`draft_vocab="auto"`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from ..core.stdlib import read_text, split_files
+from ..models.head import DraftHead
+from ..models.presets import cache_root
+from .base import Proposer
+
+log = logging.getLogger("speculative")
 
 # Characters of corpus text counted: enough for stable ranks of the top tens of thousands.
 CORPUS_CHARS = 4_000_000
@@ -30,15 +39,23 @@ LARGE_VOCAB, AUTO_DRAFT_VOCAB = 65_536, 32_768
 
 
 def auto_size(draft) -> int:
-    """The reduced vocabulary --draft-vocab auto gives `draft` (0: all tokens): AUTO_DRAFT_VOCAB
-    for a draft model over more than LARGE_VOCAB tokens; never for a draft head, which keeps
-    the vocabulary it was trained with, nor for lookup."""
-    from ..models.head import DraftHead
-    from ..proposers import Proposer
-
+    """The reduced vocabulary `auto` gives `draft` (0: all tokens): AUTO_DRAFT_VOCAB for a draft
+    model over more than LARGE_VOCAB tokens; never for a draft head, which keeps the vocabulary
+    it was trained with, nor for lookup."""
     if draft is None or isinstance(draft, (DraftHead, Proposer)) or getattr(draft, "vocab_size", 0) <= LARGE_VOCAB:
         return 0
     return AUTO_DRAFT_VOCAB
+
+
+def auto_vocab(draft, tokenizer) -> torch.Tensor | None:
+    """`draft_vocab="auto"`: the auto_size most frequent tokens of the standard library under
+    `tokenizer` (the target's), or None (all tokens) where auto_size is 0 or no tokenizer is known."""
+    size = auto_size(draft)
+    if not size or tokenizer is None:
+        return None
+    log.info("draft vocabulary auto: the draft model scores the %d most frequent of its %d tokens", size,
+             draft.vocab_size)
+    return corpus_vocab(tokenizer, size)
 
 
 def frequent_tokens(tokenizer, texts: Iterable[str], n: int) -> torch.Tensor:
@@ -56,8 +73,6 @@ def frequent_tokens(tokenizer, texts: Iterable[str], n: int) -> torch.Tensor:
 def corpus_texts(corpus: str, limit: int = CORPUS_CHARS) -> list[str]:
     """Texts of a named corpus or a file, about `limit` characters in all."""
     if corpus == "stdlib":
-        from .corpus import read_text, split_files
-
         train, _ = split_files()
         step = max(1, len(train) // 400)  # an even spread over the library
         texts = [read_text(path) for path in train[::step]]
@@ -89,8 +104,6 @@ def corpus_texts(corpus: str, limit: int = CORPUS_CHARS) -> list[str]:
 
 def corpus_vocab(tokenizer, n: int, corpus: str = "stdlib", cache: Path | None = None) -> torch.Tensor:
     """frequent_tokens over a corpus, cached per tokenizer, corpus and n."""
-    from ..models.presets import cache_root
-
     source = corpus if corpus == "stdlib" else [corpus, Path(corpus).stat().st_size, Path(corpus).stat().st_mtime_ns]
     key = hashlib.sha1(json.dumps([sorted(tokenizer.vocab().items()), source, n]).encode()).hexdigest()[:16]
     path = (cache or cache_root() / "vocab") / f"{key}.json"
