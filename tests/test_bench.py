@@ -132,7 +132,7 @@ def test_one_stalled_forward_does_not_switch_speculation_off():
     costs = Costs(v1=0.010, draft=0.001)
     costs.add(2, 0.012, weight=3.0, robust=False)
     costs.add(5, 0.015, weight=3.0, robust=False)
-    policy = AdaptivePolicy(max_k=4, costs={1: costs})
+    policy = AdaptivePolicy(longest_draft=4, costs={1: costs})
     policy.model.observe([4] * 20, [4] * 20)  # a perfect draft
     assert policy.plan(1, [0], [False], [4], has_model=True).k == 4
     policy.observe_costs(1, 5, 2.0, 4, 0.004)  # the machine stalled for two seconds once
@@ -194,7 +194,7 @@ def test_plan_charges_the_verify_width_once_for_the_batch():
     costs = Costs(v1=0.010, draft=0.0001)
     costs.add(2, 0.011, weight=3.0, robust=False)
     costs.add(5, 0.020, weight=3.0, robust=False)  # each token of width costs 3 ms
-    policy = AdaptivePolicy(max_k=4, costs={4: costs})
+    policy = AdaptivePolicy(longest_draft=4, costs={4: costs})
     policy.lookup.observe([4] * 30, [4] * 30)  # lookup is always right
     policy.model.observe([4] * 30, [1] * 30)  # the draft model's first token is kept, never the second
     # No lookup drafts: the model's rows pay for the width they need, one token.

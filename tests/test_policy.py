@@ -71,7 +71,7 @@ def run(agreement_rows: int, costs=BFLOAT16, prompts: int = 40, new_tokens: int 
     target = Timed(TableModel(target_table), clock, forward, token, seed=1, wide=wide)
     draft = Timed(TableModel(draft_table), clock, draft_forward, draft_token, seed=2)
     config = SpeculativeConfig(num_draft_tokens=4, prompt_lookup=False)  # the draft model alone
-    policy = AdaptivePolicy(max_k=4)
+    policy = AdaptivePolicy(longest_draft=4)
     gen = torch.Generator().manual_seed(3)
     late = {"drafted": 0, "forwards": 0, "accepted": 0}
     for number in range(prompts):
@@ -106,7 +106,7 @@ def test_the_confidence_floor_rises_on_evidence_only(right):
     targets) drafts them from the start, since a bin not yet seen is expected to pay, and
     the floor stays under them. When those tokens are wrong, the floor rises above them
     after a few and stays there, but for the floor-free steps that keep learning."""
-    policy = AdaptivePolicy(max_k=4)
+    policy = AdaptivePolicy(longest_draft=4)
     costs = Costs(v1=1.0, draft=0.25)
     for width, seconds in ((2, 1.2), (5, 2.0)):  # each token of verify width costs 0.27 of a step
         costs.add(width, seconds, robust=False)
@@ -135,7 +135,7 @@ def test_short_lookup_matches_are_judged_apart_from_preferred_ones(pooled):
     matches' record made the short match look nearly as good, and free: the model sat out."""
     from speculative.proposers.base import Proposal
 
-    policy = AdaptivePolicy(max_k=4)
+    policy = AdaptivePolicy(longest_draft=4)
     if pooled:
         policy.weak_lookup = policy.lookup
     costs = Costs(v1=1.0, draft=0.1)
@@ -158,7 +158,7 @@ def test_the_floor_charges_a_token_only_its_verify_width(kept):
     """The draft forward that made a token is spent when its confidence is seen: a token
     kept 30% of the time is worth less than that forward and its verify width (0.5 + 0.27
     of a step) but more than its verify width alone, so it is drafted. A token never kept is not."""
-    policy = AdaptivePolicy(max_k=4)
+    policy = AdaptivePolicy(longest_draft=4)
     costs = Costs(v1=1.0, draft=0.5)
     for width, seconds in ((2, 1.2), (5, 2.0)):
         costs.add(width, seconds, robust=False)
@@ -180,7 +180,7 @@ def test_lookup_widths_follow_costs_learned_from_the_steps_alone(per_token, kept
     from speculative.policy.costs import CostBook
     from speculative.proposers.base import Proposal
 
-    policy = AdaptivePolicy(max_k=24, book=CostBook(probe=False))
+    policy = AdaptivePolicy(longest_draft=24, book=CostBook(probe=False))
     draws, drafted = random.Random(0), []
     for step in range(300):
         policy.prepare(1, lambda: pytest.fail("a probe ran"), fresh=step == 0)
@@ -206,7 +206,7 @@ def test_a_slow_first_forward_does_not_hold_drafting_back():
     from speculative.policy.costs import CostBook
     from speculative.proposers.base import Proposal
 
-    policy = AdaptivePolicy(max_k=24, book=CostBook(probe=False))
+    policy = AdaptivePolicy(longest_draft=24, book=CostBook(probe=False))
     drafted = []
     for step in range(70):
         policy.prepare(1, lambda: pytest.fail("a probe ran"), fresh=step == 0)
@@ -227,7 +227,7 @@ def test_a_draft_model_with_a_prompt_to_read_waits_while_lookup_drafts(unread):
     lookup draft it reads it. Caught up, it drafts where lookup is weak, as before."""
     from speculative.policy.adaptive import CATCH_UP_AFTER
 
-    policy = AdaptivePolicy(max_k=4)
+    policy = AdaptivePolicy(longest_draft=4)
     costs = Costs(v1=1.0, draft=0.05)
     for width, seconds in ((2, 1.05), (5, 1.2)):
         costs.add(width, seconds, robust=False)

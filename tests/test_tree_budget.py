@@ -147,5 +147,5 @@ def test_an_engine_drafts_smaller_trees_where_verify_width_costs_more():
 def test_a_policy_without_tree_budgets_is_refused_for_trees():
     config = SpeculativeConfig(num_draft_tokens=4, tree_top_k=2)
     with pytest.raises(ValueError, match="plans no tree budgets: make it with AdaptivePolicy.for_config"):
-        Engine(tiny("decoder_only"), NGramProposer(), config, policy=AdaptivePolicy(max_k=4))
+        Engine(tiny("decoder_only"), NGramProposer(), config, policy=AdaptivePolicy(longest_draft=4))
     Engine(tiny("decoder_only"), NGramProposer(), config, policy=AdaptivePolicy.for_config(config, None))

@@ -9,19 +9,59 @@ import torch
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    """The CPU (its name, and the generation its family and model tell), the instruction sets
+    the kernels run at (SPECULATIVE_ISA where it forces a lower one), cores and torch: figures
+    hold for one CPU class, so every table names it."""
+    from ..models import isa
+
+    info = cpu_info()
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    generation = cpu_generation(info)
+    forced = " forced by SPECULATIVE_ISA" if os.environ.get("SPECULATIVE_ISA") else ""
+    classes = [f"kernels {isa.ceiling()}{forced}"] + [name for flag, name in (
+        ("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in isa.visible_flags()]
+    cpu += f" ({', '.join(([generation] if generation else []) + classes)})"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's entries of /proc/cpuinfo (empty where there is none)."""
+    info = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
         pass
-    from ..models.precision import cpu_features
+    return info
 
-    # Tables from CPUs with and without native bfloat16 differ most: say which this is.
-    native = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"))
-              if flag in cpu_features()]
-    cpu += f" ({', '.join(native)})" if native else ""
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+def cpu_generation(info: dict[str, str]) -> str:
+    """AMD's Zen generation from the CPU family and model; 'family F model M' for others."""
+    try:
+        family, model = int(info["cpu family"]), int(info["model"])
+    except (KeyError, ValueError):
+        return ""
+    if info.get("vendor_id") == "AuthenticAMD":
+        if family == 23:
+            return "Zen 2" if model >= 0x30 else "Zen 1"
+        if family == 25:
+            return "Zen 4" if 0x10 <= model < 0x20 or 0x60 <= model < 0x80 or 0xA0 <= model < 0xB0 else "Zen 3"
+        if family == 26:
+            return "Zen 5"
+    return f"family {family} model {model}"
+
+
+def cpu_flags_words() -> str:
+    """The CPU flags that choose kernels, for a benchmark's log."""
+    from ..models import isa
+
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8",
+              "amx_bf16")
+    return " ".join(flag for flag in wanted if flag in isa.cpu_flags()) or "none of the x86 vector flags"
 
 
 def identical_words(method: dict, prompts: int) -> str:

@@ -91,11 +91,11 @@ PROBE_UNREAD, CATCH_UP_AFTER = 64, 4
 
 @dataclass
 class AdaptivePolicy:
-    # Upper bound on the draft length.
-    max_k: int
-    # Upper bound on the draft model's drafts (None: max_k); lookup matches, free to draft,
-    # may reach max_k (SpeculativeConfig.lookup_draft_tokens).
-    model_k: int | None = None
+    # Upper bound on the draft length (SpeculativeConfig.longest_draft).
+    longest_draft: int
+    # Upper bound on the draft model's drafts, K (None: longest_draft); lookup matches, free to
+    # draft, may reach longest_draft (SpeculativeConfig.lookup_draft_tokens).
+    num_draft_tokens: int | None = None
     # With no drafting chosen, draft one token every this many steps to keep learning; and
     # every this many model steps, draft without the confidence floor.
     probe_every: int = 16
@@ -125,26 +125,26 @@ class AdaptivePolicy:
     def for_config(cls, config, book) -> "AdaptivePolicy":
         """The policy of a configuration: K from num_draft_tokens, tree budgets up to tree_max_tokens."""
         tree = TreeBudget(config.tree_max_tokens, config.num_draft_tokens) if config.trees else None
-        return cls(max_k=config.longest_draft, model_k=config.num_draft_tokens, book=book, tree=tree)
+        return cls(longest_draft=config.longest_draft, num_draft_tokens=config.num_draft_tokens, book=book, tree=tree)
 
     def prepare(self, batch: int, measure, fresh: bool = True) -> None:
         """Have costs for a batch of this many rows before planning it: from the book (which
         measures only when it knows no batch size at all, and once more when warm, only
         where a draft model needs it and only in a `fresh` step, before any of the rows
         has a token) or, without a book, `measure()`."""
-        widest = max(self.max_k, self.tree.max_nodes if self.tree else 0) + 1
+        widest = max(self.longest_draft, self.tree.max_nodes if self.tree else 0) + 1
         if self.book is not None:
             self.costs[batch] = self.book.get(batch, widest, measure, fresh)
         elif batch not in self.costs:
             self.costs[batch] = measure()
 
     def __post_init__(self) -> None:
-        if self.max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
-        self.model_k = min(self.model_k or self.max_k, self.max_k)
-        self.model = self.model or Acceptance(self.max_k)
-        self.lookup = self.lookup or Acceptance(self.max_k)
-        self.weak_lookup = self.weak_lookup or Acceptance(self.max_k)
+        if self.longest_draft < 1:
+            raise ValueError(f"longest_draft must be >= 1, got {self.longest_draft}")
+        self.num_draft_tokens = min(self.num_draft_tokens or self.longest_draft, self.longest_draft)
+        self.model = self.model or Acceptance(self.longest_draft)
+        self.lookup = self.lookup or Acceptance(self.longest_draft)
+        self.weak_lookup = self.weak_lookup or Acceptance(self.longest_draft)
 
     def plan_tree(self, batch: int, sources: list[str | None], lookup_sizes: list[int],
                   max_drafts: list[int]) -> int:
@@ -206,15 +206,15 @@ class AdaptivePolicy:
         best, best_rate, best_widest = Plan(0, False), batch / costs.verify(1), 0
         expected = self.model.expected(), self.lookup.expected(), self.weak_lookup.expected()
         for use_model in (False, True) if model_pays else (False,):
-            for k in range(1, self.max_k + 1):
-                tokens, widest, model_k, model_rows, lookup_rows = self._expect(
-                    k, use_model, expected, lookup_lengths, preferred, max_drafts, self.model_k)
+            for k in range(1, self.longest_draft + 1):
+                tokens, widest, model_length, model_rows, lookup_rows = self._expect(
+                    k, use_model, expected, lookup_lengths, preferred, max_drafts, self.num_draft_tokens)
                 if widest == 0:
                     continue
-                drafting = self.model.forwards(model_k, model_rows) * costs.draft
+                drafting = self.model.forwards(model_length, model_rows) * costs.draft
                 rate = tokens / (costs.verify(widest + 1) + drafting)
                 if rate > best_rate:
-                    best, best_rate = Plan(k, use_model and model_k > 0, lookup_rows=lookup_rows), rate
+                    best, best_rate = Plan(k, use_model and model_length > 0, lookup_rows=lookup_rows), rate
                     best_widest = widest
         return best, best_widest
 
@@ -225,7 +225,7 @@ class AdaptivePolicy:
         `model_cap`); its longest draft, the draft model's longest draft and how many rows it
         drafts for; per row, whether it takes lookup."""
         e_model, e_strong, e_weak = expected
-        tokens, widest, model_k, model_rows, lookup_rows = 0.0, 0, 0, 0, []
+        tokens, widest, model_length, model_rows, lookup_rows = 0.0, 0, 0, 0, []
         for length, lookup_first, most in zip(lookup_lengths, preferred, max_drafts):
             by_model, by_lookup = min(k, most, model_cap), min(k, length)
             e_lookup = e_strong if lookup_first else e_weak
@@ -237,9 +237,9 @@ class AdaptivePolicy:
                 widest = max(widest, by_lookup)
             else:
                 tokens += e_model[by_model]
-                model_k, model_rows = max(model_k, by_model), model_rows + (by_model > 0)
+                model_length, model_rows = max(model_length, by_model), model_rows + (by_model > 0)
                 widest = max(widest, by_model)
-        return tokens, widest, model_k, model_rows, lookup_rows
+        return tokens, widest, model_length, model_rows, lookup_rows
 
     def _timing_step(self, costs: Costs, best: Plan, widest: int) -> Plan | None:
         """A step that times what costs learned from steps alone still lack (the module

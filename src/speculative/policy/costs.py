@@ -136,14 +136,14 @@ def at_width(costs: Costs, width: float) -> float:
     return costs.v1 + (width - 1) * (wide - costs.v1)  # between the one-row kernel and the line
 
 
-def measure(target, state, sequences: list[list[int]], proposer, max_k: int, clock=time.perf_counter,
+def measure(target, state, sequences: list[list[int]], proposer, longest_draft: int, clock=time.perf_counter,
             argmax_rows: list[bool] | None = None) -> Costs:
     """Time target forwards of width 1, 2 and K+1 on the running state (each then rolled
     back) and one draft forward: the probe behind a book's first entry. `argmax_rows`: as the
     steps pass them to a target that takes them (a screened output layer costs less)."""
     lengths = list(state.lengths)
     last = torch.tensor([[row[-1]] for row in sequences], device=target.device)
-    widths = sorted({1, 2, max_k + 1})
+    widths = sorted({1, 2, longest_draft + 1})
     screen = {} if argmax_rows is None else {"argmax_rows": argmax_rows}
     seconds = {}
     for width in widths * 2:  # twice each: the first call may allocate

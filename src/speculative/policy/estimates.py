@@ -101,7 +101,7 @@ class Costs:
 class Acceptance:
     """Decayed counts of drafted positions reached and kept, one source of drafts."""
 
-    max_k: int
+    longest_draft: int
     # Prior acceptance per position before anything is observed (optimistic, so drafting is tried).
     prior: float = 0.7
     # Pseudo-observations the prior is worth.
@@ -117,7 +117,7 @@ class Acceptance:
 
     def __post_init__(self) -> None:
         for name in ("accepted", "reached", "asked", "continued"):
-            setattr(self, name, getattr(self, name) or [0.0] * self.max_k)
+            setattr(self, name, getattr(self, name) or [0.0] * self.longest_draft)
 
     def alphas(self) -> list[float]:
         """Acceptance per position. The prior of a position is `prior` or the estimate of
@@ -137,7 +137,7 @@ class Acceptance:
         return [(c + m) / (a + m) for c, a in zip(self.continued, self.asked)]
 
     def expected(self) -> list[float]:
-        """E(n) for n = 0..max_k: tokens a row allowed n drafts gets (the target adds one)."""
+        """E(n) for n = 0..longest_draft: tokens a row allowed n drafts gets (the target adds one)."""
         totals, alive = [1.0], 1.0
         for alpha, drafts in zip(self.alphas(), self.drafting()):
             alive *= alpha * drafts

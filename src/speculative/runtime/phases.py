@@ -137,8 +137,8 @@ class ChainPhases(Phases):
                                proposer.unread(sequences) if has_model else 0)
         lookup = [d[:plan.k] if plan.takes_lookup(i, bool(d), p) else None
                   for i, (d, p) in enumerate(zip(lookups, preferred))]
-        model_k = engine.config.num_draft_tokens
-        limits = [0 if d is not None or not plan.use_model else min(plan.k, most, model_k)
+        num_draft_tokens = engine.config.num_draft_tokens
+        limits = [0 if d is not None or not plan.use_model else min(plan.k, most, num_draft_tokens)
                   for d, most in zip(lookup, max_drafts)]
         started = engine.clock()
         drafted, draft_seconds = None, 0.0

@@ -209,8 +209,9 @@ inline __m256i scale_of(const int8_t* scales, int j, int h) {
 // group (rows 8h..8h+7: 8 lanes), adding each row's share to out. Without VNNI, maddubs
 // multiplies unsigned weights (at most 63) by signed activations (at most 127 in size) two and
 // two, within 16 bits, a chunk's two such sums are added in 16 bits (|sum| <= 32004), and one
-// madd multiplies them by the sub-block's scale into the row's sum. (Summing Q4_K's 4 chunks of
-// a sub-block in 16 bits first, for fewer multiplies, measured slower: more live registers.)
+// madd multiplies them by the sub-block's scale into the row's sum. For 1 or 2 rows, Q4_K's 4
+// chunks of a sub-block are summed in 16 bits first (at most 30480), one madd a sub-block: fewer
+// multiplies; for more rows its extra live registers measured slower (dev/LOG.md, 2026-12-07).
 // With VNNI, dpbusd sums a sub-block in 32 bits, then one mullo scales it.
 template <int BITS, int T, bool VNNI>
 __attribute__((target("avx2")))
