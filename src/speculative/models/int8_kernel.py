@@ -35,8 +35,8 @@ log = logging.getLogger("speculative")
 
 CSRC = Path(__file__).parent / "csrc"
 # One library; csrc/*.h shared.
-SOURCES = [CSRC / "int8_matmul.cpp", CSRC / "kquant_matmul.cpp", CSRC / "q32_matmul.cpp", CSRC / "block_ops.cpp",
-           CSRC / "argmax_screen.cpp"]
+SOURCES = [CSRC / name for name in ("int8_matmul.cpp", "kquant_matmul.cpp", "q32_matmul.cpp", "block_ops.cpp",
+                                     "attention.cpp", "argmax_screen.cpp")]
 CHOICES = ("auto", "compiled", "fbgemm")
 
 
@@ -87,8 +87,13 @@ def _flags() -> list[str]:
     include = Path(torch.__file__).parent / "include"  # (torch.utils.cpp_extension would import setuptools)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # No -march: each instruction set is a function of its own, chosen at run time, so the
-    # library runs on any x86 CPU (and the cache may be shared between machines).
-    return ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    # library runs on any x86 CPU (and the cache may be shared between machines). No fused
+    # multiply-adds (-ffp-contract=off): every instruction set rounds alike. -fno-trapping-math
+    # (results unchanged; floating-point exceptions are never read) lets AVX2 code vectorize
+    # loops with a clamp or a select, e.g. SwiGLU's gate and the softmax's exp: without it they
+    # ran one float at a time there (AVX512's masks need no such leave).
+    return ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-w", f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
 
 
