@@ -372,15 +372,16 @@ def add_precision(group) -> None:
                        "speculation reproduces exactly (its forward gives each token the same bits at any width), "
                        "with about half of bfloat16's bytes to read per token. gguf: a GGUF preset (qwen2.5-coder-"
                        "1.5b, ...) on its file's own Q4_K/Q6_K/Q5_0/Q8_0 blocks, int8 activations per block, exact "
-                       "and width-invariant too (docs/precision.md). auto = on CPUs with VNNI (Zen 4, Xeons): gguf "
-                       "for a preset whose file is mostly Q4_K/Q6_K (qwen2.5-coder-*), int8 for other models of "
-                       "100M weights or more; else bfloat16 on CPUs that multiply "
-                       "it natively (AVX512-BF16, AMX) and on GPUs, else float32; --verbose says what it chose and "
-                       "why (default: %(default)s). Logits are compared in float32 whatever the weights are")
+                       "and width-invariant too (docs/precision.md). auto = where int8 runs fast (VNNI; AVX2 with the "
+                       "compiled kernel): gguf for a preset whose file is mostly Q4_K/Q6_K (qwen2.5-coder-*), int8 "
+                       "for other models of 100M weights or more; else bfloat16 on CPUs that multiply it natively "
+                       "(AVX512-BF16, AMX) and on GPUs, else float32; --verbose says what it chose and why (default: "
+                       "%(default)s). SPECULATIVE_ISA=avx2 runs this CPU as an AVX2-only one. Logits are compared in "
+                       "float32 whatever the weights are")
     group.add_argument("--draft-dtype", default="auto", choices=CHOICES, help="execution dtype of a draft model; "
                        "int8 (int8 linear layers) makes a draft several times cheaper on CPUs and changes only its "
                        "proposals, never the output. auto = int8 on CPUs that run it, for draft heads and for "
-                       "drafts of 4M weights or more (on CPUs with VNNI, a GGUF preset's own blocks "
+                       "drafts of 4M weights or more (where int8 runs fast, a GGUF preset's own blocks "
                        "instead: qwen2.5-coder-0.5b), else as --dtype (default: %(default)s)")
     group.add_argument("--draft-vocab", type=int, default=None, help="the draft model scores only the N most "
                        "frequent tokens of --draft-vocab-corpus (FR-Spec: a large vocabulary's output layer is much "
