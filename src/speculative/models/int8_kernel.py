@@ -11,8 +11,10 @@ construction), packs weights at 1.5-2 GB/s, reads them in one stream, and gives 
 on AMX, AVX512-VNNI, AVX2 and plain C++ (exact int32 sums, then the same float operations).
 
 Where it lives: `$SPECULATIVE_KERNEL_CACHE`, else the cache root's `kernels/` folder
-(~/.cache/speculative/kernels), one folder per source, PyTorch and compiler version; delete
-it to rebuild. `SPECULATIVE_INT8_KERNEL=fbgemm` keeps fbgemm; `compiled` makes a failed build
+(~/.cache/speculative/kernels), one folder per source, PyTorch and compiler version, with the
+checksum the library had when built (a file that no longer matches it is compiled again, with a
+message); delete it to rebuild. A build that takes more than SPECULATIVE_KERNEL_BUILD_TIMEOUT
+seconds (600) is given up with an error. `SPECULATIVE_INT8_KERNEL=fbgemm` keeps fbgemm; `compiled` makes a failed build
 an error instead of a fallback to fbgemm.
 """
 
@@ -58,7 +60,15 @@ def compiled_ops(required: bool = False):
     ops, reason = _load()
     if ops is None and (choice == "compiled" or required):
         raise RuntimeError(f"the compiled kernels (models/csrc) cannot be built here: {reason}")
+    if ops is None:
+        _fall_back(reason)
     return ops
+
+
+@functools.lru_cache(maxsize=1)
+def _fall_back(reason: str) -> None:
+    """Says once that int8 layers run fbgemm, and why."""
+    log.warning("the compiled kernels did not build, so int8 layers run fbgemm: %s", reason)
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,16 +78,12 @@ def _load():
         return None, f"not built on {sys.platform}"
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
-        reason = "no C++ compiler (set CXX, or install g++)"
-        log.info("int8 layers run fbgemm: %s", reason)
-        return None, reason
+        return None, "no C++ compiler (set CXX, or install g++)"
     try:
         library = _build(compiler)
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        reason = f"{type(error).__name__}: {str(error)[-2000:]}"
-        log.warning("the int8 kernel did not build, so int8 layers run fbgemm: %s", reason)
-        return None, reason
+        return None, f"{type(error).__name__}: {str(error)[-2000:]}"
     ops = torch.ops.speculative_kernels
     isa.apply(ops)
     return ops, None
@@ -98,25 +104,74 @@ def _flags() -> list[str]:
 
 
 def _build(compiler: str) -> Path:
-    """The library for this source, PyTorch and compiler, compiled if not yet cached."""
-    from .presets import cache_root
-
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    flags = _flags()
-    texts = [file.read_text() for file in [*SOURCES, *sorted(CSRC.glob("*.h"))]]
-    digest = hashlib.sha256("\n".join([*texts, torch.__version__, version, *flags]).encode())
-    root = Path(os.environ.get("SPECULATIVE_KERNEL_CACHE") or cache_root() / "kernels")
-    library = root / f"int8_matmul-{digest.hexdigest()[:16]}" / "int8_matmul.so"
-    if library.is_file():
+    """The library for this source, PyTorch and compiler, compiled if not yet cached, or
+    compiled again (once, saying so) where the cached file does not match the checksum recorded
+    when it was built: a truncated or damaged file would kill the process at load (SIGBUS,
+    SIGILL) with no message, on every run. The library holds every instruction set's code and
+    picks one at run time, so a cache shared between machines of other CPUs is safe."""
+    timeout = build_timeout()
+    library, flags = library_path(compiler, timeout), _flags()
+    recorded = library.with_suffix(".sha256")
+    if library.is_file() and recorded.is_file() and recorded.read_text().strip() == file_sha256(library):
         return library
+    if library.exists():
+        print(f"the cached kernel library {library} does not match the checksum recorded when it was built (damaged, "
+              "or built by an older version): compiling it again", file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_name(f"int8_matmul.{os.getpid()}.partial.so")  # concurrent builds do not collide
     torch_lib = Path(torch.__file__).parent / "lib"
     command = [compiler, *flags, *map(str, SOURCES), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
-    print(f"compiling the int8 kernel (once, about 15 s; cached in {library.parent})", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
+    print(f"compiling the int8 kernel (once, about a minute; cached in {library.parent})", file=sys.stderr, flush=True)
+    try:
+        done = _run(command, timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr}")
+    except BaseException:  # a failure, a timeout or Ctrl-C: nothing half-written is left
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr}")
+        raise
+    checksum = file_sha256(partial)
     os.replace(partial, library)  # whole or absent, never half-written
+    written = recorded.with_name(f"{recorded.name}.{os.getpid()}.partial")
+    written.write_text(checksum + "\n")
+    os.replace(written, recorded)  # after the library: a crash between leaves it unrecorded, so rebuilt
     return library
+
+
+def library_path(compiler: str, timeout: float = 60) -> Path:
+    """Where the library for this source, PyTorch and compiler is cached."""
+    from .presets import cache_root
+
+    version = _run([compiler, "--version"], min(60, timeout)).stdout
+    texts = [file.read_text() for file in [*SOURCES, *sorted(CSRC.glob("*.h"))]]
+    digest = hashlib.sha256("\n".join([*texts, torch.__version__, version, *_flags()]).encode())
+    root = Path(os.environ.get("SPECULATIVE_KERNEL_CACHE") or cache_root() / "kernels")
+    return root / f"int8_matmul-{digest.hexdigest()[:16]}" / "int8_matmul.so"
+
+
+def build_timeout() -> float:
+    """SPECULATIVE_KERNEL_BUILD_TIMEOUT: seconds a build may take (default 600) before it is
+    given up, with an error that says so (a compiler that never finishes must not hang a run)."""
+    text = os.environ.get("SPECULATIVE_KERNEL_BUILD_TIMEOUT", "600")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"SPECULATIVE_KERNEL_BUILD_TIMEOUT={text!r}; allowed: a number of seconds above 0")
+    return seconds
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{command[0]} did not finish within {timeout:g} s (SPECULATIVE_KERNEL_BUILD_TIMEOUT); "
+                           "the kernel is not built") from None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

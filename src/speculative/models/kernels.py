@@ -238,9 +238,15 @@ def reduce_range() -> bool:
 
 
 def int8_available(device) -> bool:
-    """Whether this build runs int8 dynamic linears (CPUs with fbgemm / x86 engines)."""
+    """Whether this build runs int8 dynamic linears (CPUs with fbgemm / x86 engines). With
+    SPECULATIVE_INT8_KERNEL=compiled, a kernel that does not build raises its own error here
+    (the compiler's message), not a word about fbgemm."""
+    from .int8_kernel import compiled_ops, kernel_choice
+
     if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
+    if kernel_choice() == "compiled":
+        compiled_ops()
     try:
         probe = nn.Linear(8, 4)
         return Int8Linear(probe)(torch.ones(2, 8)).shape == (2, 4)
