@@ -51,7 +51,9 @@ A step runs five phases (`Engine.step`): 1 admit, 2 propose (plan and draft), 3 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from collections import OrderedDict, deque
 from typing import Callable, Hashable
@@ -134,11 +136,39 @@ class Engine:
         self._finished: OrderedDict[Hashable, RequestStats] = OrderedDict()
         self._aborts: set[Hashable] = set()
         self._numbers = itertools.count()
+        self._inside = threading.Lock()  # held by the one thread in add_request, abort or step
+        self._broken: str | None = None  # why the engine refuses work: a step or request cut short
+
+    @contextlib.contextmanager
+    def _entered(self, what: str):
+        """One thread at a time, and none after a step or request was cut short by an exception
+        the engine does not handle (KeyboardInterrupt, or a bug): its rows, states and outputs may
+        be half updated then, and going on would give wrong tokens silently (issue 62)."""
+        if self._broken is not None:
+            raise RuntimeError(f"this engine cannot go on: {self._broken}; its state may be half updated, so "
+                               "build a new Engine (its requests are lost)")
+        if not self._inside.acquire(blocking=False):
+            raise RuntimeError(f"Engine.{what} was called while another thread was inside this engine: an Engine "
+                               "is driven by one thread (a server runs it in one loop); SpeculativeDecoder's calls "
+                               "each run their own engine and may share threads")
+        try:
+            yield
+        except (ValueError, TypeError):  # a refused request: nothing changed
+            raise
+        except BaseException as error:
+            self._broken = f"{type(error).__name__} in the middle of Engine.{what}"
+            raise
+        finally:
+            self._inside.release()
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable | None = None):
         """Queue one prompt; returns its id. Everything is checked here: a bad request
         raises ValueError or TypeError and changes nothing for the others."""
+        with self._entered("add_request"):
+            return self._add(prompt_ids, params, request_id)
+
+    def _add(self, prompt_ids, params: SamplingParams | None, request_id: Hashable | None):
         prompts, batched = normalize_prompts(prompt_ids)
         if batched:
             raise ValueError(f"add_request takes one prompt (a list of token ids), got a batch of {len(prompts)}")
@@ -164,10 +194,11 @@ class Engine:
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request at the next step boundary (it then frees its row); False when no
         unfinished request has this id."""
-        if request_id not in self._live:
-            return False
-        self._aborts.add(request_id)
-        return True
+        with self._entered("abort"):
+            if request_id not in self._live:
+                return False
+            self._aborts.add(request_id)
+            return True
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -190,7 +221,13 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step of every running row; returns what each request got, in admission order."""
+        """One step of every running row; returns what each request got, in admission order.
+        A step cut short by KeyboardInterrupt (or anything else it does not handle) leaves the
+        engine refusing further work with a RuntimeError, never giving wrong tokens."""
+        with self._entered("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         started = self.clock()
         stats = DecodeStats()
         outputs: list[tuple[int, RequestOutput]] = []
