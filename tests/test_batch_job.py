@@ -110,7 +110,7 @@ def test_bad_records_get_errors_and_the_others_succeed(tmp_path, capsys):
     out = {row["id"]: row for row in read_output(tmp_path / "out.jsonl")}
     assert len(out) == len(rows)
     for name, (_, message) in bad.items():
-        assert set(out[name]) == {"id", "error"} and message in out[name]["error"], out[name]
+        assert set(out[name]) == {"id", "error", "request_hash"} and message in out[name]["error"], out[name]
     for row in good:
         assert len(out[row["id"]]["token_ids"]) == row["max_tokens"] and "error" not in out[row["id"]]
 

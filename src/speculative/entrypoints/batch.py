@@ -5,7 +5,10 @@ step engine: {"id", "prompt"} (text or token ids) or {"id", "messages"} (a chat)
 optional `max_tokens`, `temperature`, `seed` and `stop` (strings). Its output line holds
 id, text, token_ids, finish_reason ("length" or "stop") and its speculative figures
 (drafted, accepted, target_forwards); a record that cannot be generated gets `error`
-instead, saying what was wrong, and the job goes on.
+instead, saying what was wrong, and the job goes on. Every line also carries `request_hash`,
+a short hash of the request it answers: a resumed job names the ids whose
+request INPUT has changed since (or no longer holds), and answers the changed ones again
+with `redo_changed`.
 
 A `Worker` (models loaded once, one engine) turns records into output lines; this module
 runs one in this process (`run_local`), `batch_ray` runs one per Ray actor. Output does not
@@ -15,8 +18,10 @@ sampled ones the same tokens in any batch (the engine keys random streams by req
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Iterator
@@ -92,6 +97,23 @@ def request_of(record: dict, tokenizer, spec: ModelSpec,
     params = SamplingParams(max_tokens, float(temperature), seed=seed,
                             stop_token_ids=tokenizer.eos_token_ids or None)
     return ids, params, tuple(stop)
+
+
+def request_hash(record: dict, spec: ModelSpec) -> str:
+    """A short hash of what decides a record's answer: its prompt or messages and its sampling
+    settings, the job's defaults standing in for those it leaves out (null = left out, as
+    in `request_of`). Ids and keys a record carries for datasets do not count; neither do
+    the models. Well-formed or not: an edited bad record is a changed request too."""
+    request = {key: record[key] for key in ("prompt", "messages", "seed") if record.get(key) is not None}
+    request["max_tokens"] = record["max_tokens"] if record.get("max_tokens") is not None else spec.max_new_tokens
+    temperature = record["temperature"] if record.get("temperature") is not None else spec.temperature
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    request["temperature"] = float(temperature) if number else temperature  # 1 and 1.0 ask the same
+    stop = record.get("stop")
+    if stop:
+        request["stop"] = [stop] if isinstance(stop, str) else stop
+    text = json.dumps(request, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def stop_cut(tokenizer, tokens: list[int], stops: tuple[str, ...], checked: int) -> tuple[int, str] | None:
@@ -222,23 +244,58 @@ def progress(total: int, enabled: bool):
     return tqdm(total=total, unit="records", disable=not enabled, dynamic_ncols=True)
 
 
-def open_job(input_path, output_path, spec: ModelSpec):
+CHANGED = "prompt, messages or sampling settings in {}, or this job's defaults for them"
+
+
+def ids_of(count: int) -> str:
+    return f"{count} id{'' if count == 1 else 's'}"
+
+
+def some_ids(ids: list) -> str:
+    """The first few of `ids`, and how many more."""
+    shown = ", ".join(_json(i) for i in ids[:5])
+    return shown + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+
+
+def open_job(input_path, output_path, spec: ModelSpec, redo_changed: bool = False):
     """(the checked spec, the output file, a Summary counting records already done, the
-    records left to run) of a job: what a local and a Ray run start from."""
+    records left to run) of a job: what a local and a Ray run start from. The output file
+    holds OUTPUT's lock (a second job is refused) until it is closed. Ids done whose request
+    changed in INPUT since, or that INPUT no longer holds, are named on stderr; with
+    `redo_changed` the changed ones lose their lines and run again."""
     from .batch_files import OutputFile, check_paths, pending, read_records
 
     check_paths(input_path, output_path)
     records = read_records(input_path)
     spec = spec.validate()
     output = OutputFile(output_path)
-    summary = Summary(skipped=len(output.done & {record["id"] for _, record in records}))
+    try:
+        output.request_hashes = {record["id"]: request_hash(record, spec) for _, record in records}
+        changed = [i for i, digest in output.answered.items()
+                   if digest is not None and i in output.request_hashes and digest != output.request_hashes[i]]
+        removed = [i for i in output.answered if i not in output.request_hashes]
+        if changed and redo_changed:
+            print(f"redoing {ids_of(len(changed))} of {output_path} with an answer to a changed request "
+                  f"({CHANGED.format(input_path)}): {some_ids(changed)}", file=sys.stderr)
+            output.drop(set(changed))
+        elif changed:
+            print(f"warning: {ids_of(len(changed))} of {output_path} with an answer to a changed request "
+                  f"({CHANGED.format(input_path)}): {some_ids(changed)}; the old answers are kept: rerun with "
+                  "--redo-changed to answer again", file=sys.stderr)
+        if removed:
+            print(f"warning: {ids_of(len(removed))} of {output_path} no longer in {input_path} (their lines are "
+                  f"kept): {some_ids(removed)}", file=sys.stderr)
+    except BaseException:
+        output.close()
+        raise
+    summary = Summary(skipped=len(output.done & output.request_hashes.keys()))
     return spec, output, summary, [record for _, record in pending(records, output.done)]
 
 
 def run_local(input_path, output_path, spec: ModelSpec, show_progress: bool = True,
-              clock: Callable[[], float] = time.perf_counter) -> Summary:
+              clock: Callable[[], float] = time.perf_counter, redo_changed: bool = False) -> Summary:
     """The job in this process, on one engine, with a progress bar (records, tokens/s)."""
-    spec, output, summary, todo = open_job(input_path, output_path, spec)
+    spec, output, summary, todo = open_job(input_path, output_path, spec, redo_changed)
     started = clock()
     try:
         if todo:

@@ -6,7 +6,8 @@ as it was read, so JSON and Parquet records reach the actors unchanged). `map_ba
 runs `GenerateBatch` on an actor pool: `concurrency` actors of `num_cpus` CPUs each, each
 with that many torch threads and its own models, loaded once when the actor starts. Every
 call takes up to max_batch_size records and returns their output lines; this process
-writes them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id).
+writes them (`batch_files.OutputFile`: append-only, ids checked, so exactly once per id;
+it holds OUTPUT's lock for the whole job).
 Reading in this process costs Ray no read tasks (each wanted a worker process of its own:
 seconds of start-up on a small machine), and the nodes need no access to INPUT.
 
@@ -66,13 +67,15 @@ def connect(address: str | None) -> bool:
 
 
 def run_ray(input_path, output_path, spec: ModelSpec, address: str | None = None, actors: int | None = None,
-            threads: int = 1, show_progress: bool = True, clock: Callable[[], float] = time.perf_counter) -> Summary:
-    """The job on Ray. `actors` defaults to the cluster's CPUs / `threads`."""
+            threads: int = 1, show_progress: bool = True, clock: Callable[[], float] = time.perf_counter,
+            redo_changed: bool = False) -> Summary:
+    """The job on Ray. `actors` defaults to the cluster's CPUs / `threads`. This process holds
+    OUTPUT's lock for the whole job, as a local job does."""
     try:
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'speculative[ray]'") from None
-    spec, output, summary, todo = open_job(input_path, output_path, spec)
+    spec, output, summary, todo = open_job(input_path, output_path, spec, redo_changed)
     started, started_at = clock(), time.time()
     joined = False
     try:
