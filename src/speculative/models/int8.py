@@ -7,12 +7,15 @@ width of the forward, speculative output is token-identical to that reference.
 
 Checkpoints that the built-in decoder computes (Llama, Qwen2, Gemma 3: `native.py`) are quantized
 one layer at a time while they are read, and the result is written to the cache
-(`$SPECULATIVE_CACHE/int8/NAME-KEY/`, ~/.cache/speculative by default): one safetensors
-file per block, then a manifest, then the directory is renamed into place, so a
-half-written cache is never taken for a whole one. The key hashes the checkpoint's files
-(names, sizes, modification times) and this format's version: a changed checkpoint gets
-a new entry. A later start reads the int8 weights (a quarter of float32's bytes) and
-packs them, in seconds. Delete the `int8` folder to clear it.
+(`$SPECULATIVE_CACHE/int8/NAME-KEY/`, ~/.cache/speculative by default) as `core/disk_cache.py`
+writes every cache: one safetensors file per block under a name of this process's own, then a
+manifest of every file's SHA-256, then a rename into place, under a lock that a second process
+making the same entry waits on. The key hashes the checkpoint's files (names, sizes,
+modification times) and this format's version: a changed checkpoint gets a new entry. A later
+start checks the files against the manifest (hashed in full the first time and after any
+change; a damaged entry is quantized again, with a message), reads the int8 weights (a
+quarter of float32's bytes) and packs them, in seconds. A cache folder that cannot be written
+leaves the model in memory, said once. Delete the `int8` folder to clear it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import ctypes
 import hashlib
 import json
 import logging
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core import disk_cache
 from .decoder_only import DecoderOnlyConfig, DecoderOnlyLM
 from .gemma3 import Gemma3Config, Gemma3LM
 from .int8_kernel import compiled_ops
@@ -77,16 +80,36 @@ def load_cached(path: Path, cfg: DecoderOnlyConfig, float_reader, progress: bool
     from `float_reader()(name)` (the float weights of the fused model's layers; made only
     when needed: smoothing tokenizes its calibration text) and cached."""
     directory = cache_directory(path)
-    model = None
-    if _complete(directory):
-        try:
-            model = _read(directory, cfg)
-        except (OSError, ValueError, KeyError, RuntimeError) as error:  # damaged after it was written
-            log.warning("the int8 cache %s is unreadable (%s): rebuilding it", directory, error)
+    model, damage = _cached(directory, cfg)
     if model is None:
-        model = _quantize_and_write(directory, cfg, float_reader(), progress)
+        with disk_cache.lock(directory) as unwritable:
+            if not unwritable:  # another process may have made it while this one waited
+                model, damage = _cached(directory, cfg)
+            if model is None:
+                if damage:
+                    disk_cache.say(f"the int8 cache {directory} is damaged ({damage}): quantizing {path.name} again")
+                if unwritable:
+                    disk_cache.say_once(f"the cache folder {directory.parent} cannot be written "
+                                        f"({unwritable.strerror}): int8 weights are quantized in memory, again at "
+                                        "every start; set SPECULATIVE_CACHE to a writable folder to keep them")
+                model = _quantize_and_write(None if unwritable else directory, cfg, float_reader(), progress)
     model.use_compiled_blocks(compiled_ops())
     return model
+
+
+def _cached(directory: Path, cfg: DecoderOnlyConfig) -> tuple[DecoderOnlyLM | None, str | None]:
+    """(the model the cache holds, None), or (None, what is wrong with it; None where absent)."""
+    from safetensors import SafetensorError
+
+    if not directory.exists():
+        return None, None
+    damage = disk_cache.damage(directory, MANIFEST)
+    if damage is None:
+        try:
+            return _read(directory, cfg), None
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:  # whole, yet not this model's
+            damage = f"{type(error).__name__}: {error}"
+    return None, damage
 
 
 def _skeleton(cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
@@ -101,14 +124,13 @@ def _groups(model: DecoderOnlyLM) -> list[tuple[str, list[str]]]:
     return groups + [("outer", ["embed_tokens", "norm", "lm_head"])]
 
 
-def _quantize_and_write(directory: Path, cfg: DecoderOnlyConfig, read_float, progress: bool) -> DecoderOnlyLM:
+def _quantize_and_write(directory: Path | None, cfg: DecoderOnlyConfig, read_float, progress: bool) -> DecoderOnlyLM:
+    """The int8 model, quantized part by part while read, each part written to the cache
+    (`directory`; None: in memory only)."""
     from tqdm import tqdm
 
     model = _skeleton(cfg)
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    sizes = {}
+    writer = _Writer(directory)
     for stem, names in tqdm(_groups(model), desc="quantizing to int8 (once; cached)", unit="part",
                             disable=not progress):
         tensors = {}
@@ -130,13 +152,35 @@ def _quantize_and_write(directory: Path, cfg: DecoderOnlyConfig, read_float, pro
                     tensor = read_float(f"{name}.{leaf}").float().contiguous()
                     tensors[f"{name}.{leaf}"] = tensor
                     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
-        _save(tensors, partial / f"{stem}.safetensors")
-        sizes[f"{stem}.safetensors"] = (partial / f"{stem}.safetensors").stat().st_size
-    (partial / "config.json").write_text(json.dumps({"format": FORMAT, **model.options()}, indent=1) + "\n")
-    (partial / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
-    shutil.rmtree(directory, ignore_errors=True)
-    partial.rename(directory)
+        writer.write(lambda folder: _save(tensors, folder / f"{stem}.safetensors"))
+    writer.write(lambda folder: (folder / "config.json").write_text(
+        json.dumps({"format": FORMAT, **model.options()}, indent=1) + "\n"))
+    writer.write(lambda folder: disk_cache.record(folder, MANIFEST))
+    writer.write(lambda folder: disk_cache.publish(folder, directory))
     return model.eval()
+
+
+class _Writer:
+    """A cache entry written under a partial name, step by step; where a step fails (a disk
+    full), the entry is dropped and said so: the model being made is kept, in memory only."""
+
+    def __init__(self, directory: Path | None):
+        self.directory, self.folder = directory, None
+
+    def write(self, step) -> None:
+        if self.directory is None:
+            return
+        try:
+            if self.folder is None:
+                self.folder = disk_cache.partial(self.directory)
+                self.folder.mkdir()
+            step(self.folder)
+        except OSError as error:
+            if self.folder is not None:
+                disk_cache.remove(self.folder)
+            disk_cache.say_once(f"the int8 cache {self.directory} could not be written ({error}): the model stays "
+                                "in memory only, and is quantized again at the next start")
+            self.directory = None
 
 
 def _read(directory: Path, cfg: DecoderOnlyConfig) -> DecoderOnlyLM:
@@ -197,12 +241,3 @@ def _save(tensors: dict, file: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(file))
-
-
-def _complete(directory: Path) -> bool:
-    try:
-        sizes = json.loads((directory / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return all((directory / name).is_file() and (directory / name).stat().st_size == size
-               for name, size in sizes.items())

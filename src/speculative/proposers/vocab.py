@@ -9,7 +9,8 @@ target's residual keeps all their probability.
 Corpora: `stdlib` (this interpreter's standard library, the training files of
 `speculative train`: code), or a text file / JSON-lines file of {"text": ...} or
 {"prompt": ...} objects. `auto_vocab` is what every front-end and the Python API give a draft
-model when nothing is said (`draft_vocab="auto"`).
+model when nothing is said (`draft_vocab="auto"`). The counts are cached as `core/disk_cache.py`
+keeps every cache: checked at each read, counted again where damaged, by one process at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import disk_cache
 from ..core.stdlib import read_text, split_files
 from ..models.head import DraftHead
 from ..models.presets import cache_root
@@ -107,11 +109,41 @@ def corpus_vocab(tokenizer, n: int, corpus: str = "stdlib", cache: Path | None =
     source = corpus if corpus == "stdlib" else [corpus, Path(corpus).stat().st_size, Path(corpus).stat().st_mtime_ns]
     key = hashlib.sha1(json.dumps([sorted(tokenizer.vocab().items()), source, n]).encode()).hexdigest()[:16]
     path = (cache or cache_root() / "vocab") / f"{key}.json"
-    if path.is_file():
-        return torch.tensor(json.loads(path.read_text()), dtype=torch.long)
-    ids = frequent_tokens(tokenizer, corpus_texts(corpus), n)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(ids.tolist()))
-    partial.replace(path)
+    ids, damage = _stored(path)
+    if ids is not None:
+        return ids
+    with disk_cache.lock(path) as unwritable:
+        if not unwritable:  # another process may have counted it while this one waited
+            ids, damage = _stored(path)
+            if ids is not None:
+                return ids
+        if damage:
+            disk_cache.say(f"the draft vocabulary {path} is damaged ({damage}): counting it again")
+        ids = frequent_tokens(tokenizer, corpus_texts(corpus), n)
+        unwritable = unwritable or _store(ids, path)
+    if unwritable:
+        disk_cache.say_once(f"the cache folder {path.parent} cannot be written ({unwritable.strerror}): draft "
+                            "vocabularies are counted in memory, again at every start; set SPECULATIVE_CACHE to a "
+                            "writable folder to keep them")
     return ids
+
+
+def _stored(path: Path) -> tuple[torch.Tensor | None, str | None]:
+    """(the cached ids, None), or (None, what is wrong with the file; None where absent)."""
+    if not path.exists():
+        return None, None
+    damage = disk_cache.file_damage(path)
+    return (None, damage) if damage else (torch.tensor(json.loads(path.read_text()), dtype=torch.long), None)
+
+
+def _store(ids: torch.Tensor, path: Path) -> OSError | None:
+    """Write the ids and their checksum; the OSError where that fails (nothing is left)."""
+    written = disk_cache.partial(path)
+    try:
+        written.write_text(json.dumps(ids.tolist()))
+        disk_cache.publish(written, path)
+        disk_cache.record_file(path)
+    except OSError as error:
+        written.unlink(missing_ok=True)
+        return error
+    return None
