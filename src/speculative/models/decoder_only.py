@@ -308,8 +308,8 @@ class DecoderOnlyLM(nn.Module):
             raise ValueError(f"KV cache holds {state.capacity} positions; this forward needs {keys}")
         device = x.device
         slots = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # (B, T)
-        if positions is None:
-            positions, needed = slots, keys
+        if positions is None:  # padding past a row's end may lie past the rotary table: give it a position inside
+            positions, needed = slots.clamp(max=max(keys, 1) - 1), keys
         elif tuple(positions.shape) != (batch, width):
             raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
         else:

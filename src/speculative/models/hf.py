@@ -157,8 +157,9 @@ class HFModel:
             raise ValueError(f"argmax_rows must hold {batch} flags, got {len(argmax_rows)}")
         counts = [width] * batch if num_valid is None else list(num_valid)
         device = tokens.device
-        if positions is None:
+        if positions is None:  # padding past a row's end may lie past the position embeddings (GPT-2's): kept inside
             positions = torch.tensor(state.lengths, device=device)[:, None] + torch.arange(width, device=device)
+            positions = positions.clamp(max=max(max(n + c for n, c in zip(state.lengths, counts)), 1) - 1)
         elif tuple(positions.shape) != (batch, width):
             raise ValueError(f"positions must have the shape of tokens {(batch, width)}, got {tuple(positions.shape)}")
         masks, keys_pos = self._masks(state, positions, tree)
