@@ -16,7 +16,7 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
 from speculative.models.kernels import Int8Linear
-from speculative.models.kquant import KQuantLinear, load_kquant, read_gguf_tensors
+from speculative.models.kquant import KQuantLinear, load_checkpoint_blocks, read_gguf_tensors
 from speculative.models.native import checkpoint_reader, native_config
 from speculative.models import isa
 from tests.helpers import kernel_isas
@@ -308,7 +308,7 @@ def write_model(root, vocab: int, seed: int, int8_layer: bool = False, q32: bool
 
 def load(root):
     cfg = native_config(json.loads((root / "config.json").read_text()))
-    return load_kquant(root, cfg, root / "model.gguf", checkpoint_reader(root, cfg))
+    return load_checkpoint_blocks(root, cfg, root / "model.gguf", checkpoint_reader(root, cfg))
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,11 @@ _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _BLOCK = {12: (256, 144), 14: (256, 210), 6: (32, 22), 8: (32, 34)}
 
 
+def runs_on_blocks(shape: tuple[int, ...], kind: int) -> bool:
+    """Whether the kernels multiply a 2-D GGUF tensor of this shape (GGML's order) and type."""
+    return kind in _BLOCK and len(shape) == 2 and shape[0] % _BLOCK[kind][0] == 0
+
+
 def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     """The tensors of a GGUF file (version 2 or 3); those of a type the kernels run hold a view
     of the file. Only the tensor index is parsed: gguf's GGUFReader also decodes every metadata
@@ -149,7 +154,7 @@ def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     tensors = {}
     for name, shape, kind, offset in index:
         data = None
-        if kind in _BLOCK and len(shape) == 2 and shape[0] % _BLOCK[kind][0] == 0:
+        if runs_on_blocks(shape, kind):
             row = shape[0] // _BLOCK[kind][0] * _BLOCK[kind][1]
             data = file[start + offset:start + offset + row * shape[1]].reshape(shape[1], row)
         tensors[name] = GGUFTensor(name, shape, kind, data)
@@ -260,13 +265,31 @@ def load_preset(path: Path, config: dict, device, reason: str | None = None) -> 
         raise ValueError(f"dtype gguf runs on CPUs, not on {device}")
     log.info("%s: %s", path, reason or f"gguf, as asked (the blocks of {gguf}, int8 activations per 256 or 32 "
              "columns, float32 else)")
-    return load_kquant(path, native, gguf, checkpoint_reader(path, native))
+    return load_checkpoint_blocks(path, native, gguf, checkpoint_reader(path, native))
 
 
-def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> DecoderOnlyLM:
-    """The model of checkpoint `path` (made from the GGUF file `gguf`) with layers on its blocks
-    where the file has them, int8 where not; `read_float(name)` reads the checkpoint."""
+def load_checkpoint_blocks(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> DecoderOnlyLM:
+    """A checkpoint directory (`read_float` reads it) on the blocks of the GGUF file `gguf` it
+    was made from, its input embeddings from the checkpoint."""
     tensors = read_gguf_tensors(gguf)
+
+    def layer_blocks(name: str):
+        sources = [tensors.get(source) for source in gguf_tensor_names(name, tensors)]
+        if not all(source is not None and source.data is not None for source in sources):
+            return None, None
+        names = [source.name for source in sources]
+        return [(source.data, source.tensor_type) for source in sources], functools.partial(_parts, gguf, names)
+
+    table = _mapped(*read_float.location("embed_tokens.weight"))
+    table = table if table.dtype == torch.float32 else read_float("embed_tokens.weight").float()
+    return load_kquant(path, cfg, layer_blocks, read_float, nn.Embedding.from_pretrained(table, freeze=True))
+
+
+def load_kquant(path: Path, cfg: DecoderOnlyConfig, layer_blocks, read_float, embedding: nn.Module) -> DecoderOnlyLM:
+    """The model `cfg` from a GGUF file's blocks, with layers on them where the kernels run their
+    types, int8 where not. `layer_blocks(name)`: (the raw blocks of each part of linear layer
+    `name` of the fused model, in output order, and a function giving them again), or (None,
+    None) where a part's type has no kernel; `read_float(name)`: any parameter as a float tensor."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg).fuse()
     counts = {"blocks": 0, "int8": 0}
@@ -274,19 +297,16 @@ def load_kquant(path: Path, cfg: DecoderOnlyConfig, gguf: Path, read_float) -> D
         if type(module) is not nn.Linear:
             continue
         bias = read_float(f"{name}.bias") if module.bias is not None else None
-        sources = [tensors.get(source) for source in gguf_tensor_names(name, tensors)]
-        if all(source is not None and source.data is not None for source in sources):  # types the kernels run
-            _check_shapes(name, module, sources, gguf)
-            layer = KQuantLinear([(source.data, source.tensor_type) for source in sources], module.in_features, bias,
-                                 source=functools.partial(_parts, gguf, [source.name for source in sources]))
+        parts, source = layer_blocks(name)
+        if parts is not None:
+            _check_shapes(name, module, parts, path)
+            layer = KQuantLinear(parts, module.in_features, bias, source=source)
             counts["blocks"] += 1
         else:
             layer = Int8Linear(SimpleNamespace(weight=read_float(f"{name}.weight"), bias=bias))
             counts["int8"] += 1
         _replace(model, name, layer)
-    table = _mapped(*read_float.location("embed_tokens.weight"))
-    table = table if table.dtype == torch.float32 else read_float("embed_tokens.weight").float()
-    model.embed_tokens = nn.Embedding.from_pretrained(table, freeze=True)
+    model.embed_tokens = embedding
     for name, parameter in list(model.named_parameters()):
         if parameter.is_meta:
             parent, _, leaf = name.rpartition(".")
@@ -303,8 +323,11 @@ def _parts(gguf: Path, names: list[str]) -> list[tuple[np.ndarray, int]]:
     return [(tensors[name].data, tensors[name].tensor_type) for name in names]
 
 
-def _check_shapes(name: str, module: nn.Linear, sources, gguf: Path) -> None:
-    rows = sum(int(source.shape[1]) for source in sources)
-    if any(int(source.shape[0]) != module.in_features for source in sources) or rows != module.out_features:
-        raise ValueError(f"{gguf}: the tensors {[source.name for source in sources]} do not hold layer {name} "
-                         f"({module.out_features} x {module.in_features}): this file is not the checkpoint's source")
+def _check_shapes(name: str, module: nn.Linear, parts, path: Path) -> None:
+    """Refuse blocks that do not hold the layer the config describes (a file that is not the
+    checkpoint's source, or metadata that does not match its tensors)."""
+    rows = sum(len(raw) for raw, _ in parts)
+    columns = {raw.shape[1] // _BLOCK[kind][1] * _BLOCK[kind][0] for raw, kind in parts}
+    if columns != {module.in_features} or rows != module.out_features:
+        raise ValueError(f"{path}: the GGUF tensors of layer {name} hold {rows} rows of {sorted(columns)} columns, "
+                         f"the model's config gives {module.out_features} x {module.in_features}")

@@ -3,7 +3,9 @@
 - a directory written by `save_model` (config.json with a built-in model_type) loads
   as a built-in model; any other directory with config.json and safetensors weights
   loads through transformers (pickled .bin weights are refused);
-- a .gguf file loads through transformers, dequantized (needs `gguf`);
+- a .gguf file of a Llama, Qwen2 or Gemma 3 model loads on the built-in decoder, read by
+  `gguf_source.py` (its own blocks where int8 runs fast); another architecture's through
+  transformers, dequantized (`transformers_loading.py`);
 - presets: `default` (the shipped verifier), `default-draft` and `default-s4d` (its
   drafts), `default-head` (its draft head, `models/head.py`), `gemma-3-270m`,
   `qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` (GGUF files that PyPI packages carry, made
@@ -18,25 +20,27 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import struct
 from pathlib import Path
 
 import torch
 
 from ..core.inputs import check_device
-from . import presets
-from . import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin
+from . import MODEL_TYPES, DecoderOnlyLM, build_model, load_builtin, precision, presets
 from .argmax_screen import prepare_screen
 from .gemma3 import compile_transformers_norms
+from .gguf_source import ARCHITECTURES as GGUF_ARCHITECTURES, architecture as gguf_architecture, load_gguf
+from .gguf_source import read_metadata
+from .gguf_tokenizer import gguf_tokenizer
 from .head import HEAD_TYPE, load_head
-from .hf import HFModel
 from .int8 import quantize_model
+from .int8_kernel import compiled_ops
 from .kernels import int8_available, pack_linears, packing_available
-from .native import generation_eos, load_native, native_config
 from .kquant import auto_reason, load_preset
+from .native import generation_eos, load_native, native_config
 from .precision import GGUF, INT8, resolve_precision
 from .text import TextTokenizer
+from .transformers_loading import TOKENIZER_FILES, has_tokenizer, hf_tokenizer, load_gguf_file, load_transformers
 
 log = logging.getLogger("speculative")
 
@@ -69,6 +73,12 @@ def resolve(name_or_path) -> Path:
     if made is not None:
         return made
     path = Path(text).expanduser()
+    if path.is_dir() and not (path / "config.json").exists():  # a folder holding one GGUF file (LM Studio's)
+        files = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
+        if len(files) > 1:
+            raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(p.name for p in files[:4])}): "
+                             "pass the one to load")
+        return files[0] if files else path
     if path.exists():
         return path
     if "/" in text and not text.startswith((".", "/", "~")) and text.count("/") == 1:
@@ -98,7 +108,9 @@ def _load(name_or_path, device, dtype, pack: bool | None, screen: bool):  # scre
     path = resolve(name_or_path)
     if not path.is_dir() and not path.is_file():  # a device, pipe or socket
         raise ValueError(f"{path} is neither a model directory nor a .gguf file")
-    config = _checked_directory(path) if path.is_dir() else {}
+    if path.is_file():
+        return _load_file(path, name_or_path, device, dtype, pack, screen)
+    config = _checked_directory(path)
     if dtype == GGUF:
         return _load_kquant(path, config, device)
     weights = matrix_weights(path) if dtype == "auto" and path.is_dir() else None
@@ -107,10 +119,6 @@ def _load(name_or_path, device, dtype, pack: bool | None, screen: bool):  # scre
     int8, torch_dtype, reason = resolve_precision(dtype, device, weights=weights, int8_runs=int8_available(device))
     log.info("%s: %s", name_or_path, reason)
     prepare = lambda m: _prepare(m, name_or_path, pack, int8, screen)  # noqa: E731
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
-        return _load_gguf(path, device, torch_dtype, prepare)
     if config.get("model_type") == HEAD_TYPE:  # drafts from a target's features: bound to it by the engine
         model = load_head(path, device, torch_dtype)
         if int8:
@@ -134,7 +142,39 @@ def _load(name_or_path, device, dtype, pack: bool | None, screen: bool):  # scre
             prepare(model)
         model.tokenizer = _checkpoint_tokenizer(path, generation_eos(path)) if has_tokenizer(path) else None
         return model
-    return _load_transformers(path, device, torch_dtype, prepare)
+    return load_transformers(path, device, torch_dtype, prepare)
+
+
+def _load_file(path: Path, name, device, dtype, pack: bool | None, screen: bool):
+    """A GGUF file: Llama, Qwen2 and Gemma 3 on the built-in decoder, read by `gguf_source.py`
+    (`auto`: the file's own blocks where the kernels run fast, else decoded to a float dtype);
+    other architectures through transformers, dequantized, where a float dtype is asked for."""
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is a file but not a .gguf file; pass a model directory or a .gguf file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        metadata = read_metadata(path)
+    except (struct.error, ValueError, IndexError, KeyError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as a GGUF file (is it truncated or corrupt? {path.stat().st_size} "
+                         f"bytes): {type(error).__name__}: {error}") from None
+    native = metadata.get("general.architecture") in GGUF_ARCHITECTURES
+    if dtype == GGUF or (dtype == "auto" and native and torch.device(device).type == "cpu"
+                         and precision.int8_runs_fast() and compiled_ops() is not None):
+        reason = ("gguf, as asked" if dtype == GGUF else f"auto: gguf, the file's own blocks, since this CPU "
+                  f"multiplies 8-bit integers {precision.int8_units()}") + " (int8 activations per block)"
+        return load_gguf(path, device, GGUF, reason)
+    if dtype == "auto" and not native:
+        gguf_architecture(metadata, path)  # raises: what runs it
+    int8, torch_dtype, reason = resolve_precision(dtype, device, int8_runs=int8_available(device))
+    prepare = lambda m: _prepare(m, name, pack, int8, screen)  # noqa: E731
+    if not native:
+        log.info("%s: %s, through transformers", name, reason)
+        return load_gguf_file(path, device, torch_dtype, prepare)
+    model = load_gguf(path, device, torch_dtype, reason)
+    prepare(model)
+    return model
 
 
 def _load_kquant(path: Path, config: dict, device, reason: str | None = None):
@@ -236,7 +276,8 @@ def load_draft(name_or_path, device="cpu", dtype="auto"):
     own blocks where `kquant.auto_reason` takes them; else as load_model's auto. A draft's
     precision changes its proposals, never the output."""
     path = resolve(name_or_path)
-    if dtype == "auto" and int8_available(device) and (is_head(path) or matrix_weights(path) >= SMALL_MODEL):
+    if dtype == "auto" and path.is_dir() and int8_available(device) and (
+            is_head(path) or matrix_weights(path) >= SMALL_MODEL):
         if (reason := auto_reason(path, device, 0, draft=True)) is not None:  # (a head is made from no GGUF)
             return _load_kquant(path, _checked_directory(path), device, reason)
         dtype = INT8
@@ -272,9 +313,15 @@ def load_tokenizer(name_or_path) -> TextTokenizer:
                     native = native_config(read_config(config)) is not None
                 except (KeyError, TypeError, ValueError):
                     native = False
-                return _checkpoint_tokenizer(path, generation_eos(path)) if native else _hf_tokenizer(path)
+                return _checkpoint_tokenizer(path, generation_eos(path)) if native else hf_tokenizer(path)
         raise FileNotFoundError(f"no tokenizer found in {path} or its parent")
-    return _hf_tokenizer(path)
+    metadata = read_metadata(path) if path.suffix == ".gguf" else {}
+    if metadata.get("general.architecture") in GGUF_ARCHITECTURES:
+        if "tokenizer.ggml.model" not in metadata:
+            raise FileNotFoundError(f"{path} holds no tokenizer (no tokenizer.* entries): the model works on token ids "
+                                    "without one, but text in or out needs one")
+        return gguf_tokenizer(path)
+    return hf_tokenizer(path)
 
 
 def read_config(path: Path) -> dict:
@@ -331,69 +378,4 @@ def _builtin_tokenizer(path: Path) -> TextTokenizer:
 
 def _checkpoint_tokenizer(path: Path, eos: list[int] | None = None) -> TextTokenizer:
     """A checkpoint's tokenizer: from tokenizer.json without transformers where there is one."""
-    return TextTokenizer.from_checkpoint(path, eos) if (path / "tokenizer.json").is_file() else _hf_tokenizer(path, eos)
-
-
-def _hf_tokenizer(path: Path, eos: list[int] | None = None) -> TextTokenizer:
-    """A transformers tokenizer; `eos`: the ids that end generation (None: the tokenizer's own)."""
-    _offline()
-    from transformers import AutoTokenizer
-
-    if path.is_file():
-        backend = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    else:
-        backend = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return TextTokenizer(backend, name=str(path), eos_token_ids=eos)
-
-
-def _model_eos(model) -> list[int] | None:
-    """The end-of-text ids of a transformers model's generation config."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return eos if eos is None or isinstance(eos, list) else [eos]
-
-
-def _offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def _load_transformers(path: Path, device, dtype: torch.dtype, prepare):
-    _offline()
-    from transformers import AutoModelForCausalLM
-
-    if not any(path.glob("*.safetensors")):
-        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-            raise ValueError(f"{path} holds only pickled weights (.bin/.pt); only safetensors are loaded")
-        raise FileNotFoundError(f"{path} holds config.json but no *.safetensors weights")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True).to(device)
-    prepare(model)
-    # Token ids in and out need no tokenizer: a directory without one loads (text features say so).
-    return HFModel(model, _hf_tokenizer(path, _model_eos(model)) if has_tokenizer(path) else None)
-
-
-# Files that any transformers tokenizer is loaded from.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt")
-
-
-def has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in TOKENIZER_FILES)
-
-
-def _load_gguf(path: Path, device, dtype: torch.dtype, prepare):
-    _offline()
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    from transformers import AutoModelForCausalLM
-
-    try:  # the GGUF reader's errors (struct, numpy) do not name the file
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
-                                                     local_files_only=True).to(device)
-        tokenizer = _hf_tokenizer(path, _model_eos(model))
-    except (struct.error, ValueError, IndexError, KeyError, EOFError, OSError) as error:
-        raise ValueError(f"{path} cannot be read as a GGUF model (is it truncated or corrupt? {path.stat().st_size} "
-                         f"bytes): {type(error).__name__}: {error}") from None
-    prepare(model)
-    return HFModel(model, tokenizer)
+    return TextTokenizer.from_checkpoint(path, eos) if (path / "tokenizer.json").is_file() else hf_tokenizer(path, eos)

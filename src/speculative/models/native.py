@@ -109,18 +109,19 @@ def _gemma3_thetas(config: dict) -> tuple[float, float] | None:
 
 
 def load_native(path: Path, cfg: DecoderOnlyConfig, device, dtype: torch.dtype, int8: bool = False,
-                progress: bool = True) -> DecoderOnlyLM:
+                progress: bool = True, read=None, tied: bool | None = None) -> DecoderOnlyLM:
     """A transformers checkpoint directory in the built-in decoder (fused: `DecoderOnlyLM.fuse`),
     in `dtype`, or in int8 (`int8.py`, cached on disk) when `int8`. Parameters of modules
-    marked `keep_float32` (Gemma's norms) stay float32."""
+    marked `keep_float32` (Gemma's norms) stay float32. `read(name)` and `tied`: another source
+    of the fused model's float parameters (a GGUF file's), and whether it has no output layer."""
     if int8:
         if torch.device(device).type != "cpu":
             raise ValueError(f"int8 models run on CPUs, not on {device}")
         return load_cached(path, cfg, lambda: _smoothed_reader(path, cfg), progress)
-    read = checkpoint_reader(path, cfg, dtype)
+    read = read or checkpoint_reader(path, cfg, dtype)
     with torch.device("meta"):
         model = model_class(cfg)(cfg).fuse()
-    tied = cfg.tie_embeddings and _tied(path)
+    tied = cfg.tie_embeddings and (_tied(path) if tied is None else tied)
     for name, child in list(model.named_modules()):
         if type(child) is not nn.Linear or name == "lm_head" and tied:
             continue

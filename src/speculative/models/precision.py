@@ -31,7 +31,6 @@ CUDA, bfloat16 where the GPU supports it, else float16.
 
 from __future__ import annotations
 
-import functools
 import math
 import platform
 
