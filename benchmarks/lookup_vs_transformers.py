@@ -33,7 +33,8 @@ import torch
 
 from speculative import NGramProposer, SpeculativeConfig, SpeculativeDecoder, autoregressive_generate, load_model
 from speculative.core.config import LOOKUP_K as K  # our lookup's default K
-from speculative.models.loading import _load_transformers, _prepare, resolve
+from speculative.models.loading import _prepare, resolve
+from speculative.models.transformers_loading import load_transformers
 
 PEER_K = 10  # transformers' documented prompt_lookup_num_tokens
 
@@ -42,7 +43,7 @@ def hf_module(dtype: str):
     """Gemma 3 270M through transformers, prepared as load_model prepares a transformers model."""
     path = resolve("gemma-3-270m")
     torch_dtype = getattr(torch, dtype)
-    model = _load_transformers(path, "cpu", torch_dtype, lambda m: _prepare(m, "gemma-3-270m", None, False, True))
+    model = load_transformers(path, "cpu", torch_dtype, lambda m: _prepare(m, "gemma-3-270m", None, False, True))
     return model
 
 
