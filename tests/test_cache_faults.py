@@ -112,6 +112,32 @@ def test_a_damaged_int8_cache_is_quantized_again_with_a_message(checkpoint, cach
     assert "damaged" not in capsys.readouterr().err and torch.equal(logits(again), fresh)
 
 
+def test_an_int8_cache_an_older_version_wrote_is_kept_and_its_checksums_recorded(checkpoint, cache, fresh, capsys,
+                                                                                  monkeypatch):
+    """An older version's manifest held sizes only: a cache whose sizes match is not quantized
+    again (minutes for a 1.5B model) but gets its checksums; one whose sizes differ is."""
+    import speculative.models.int8 as int8
+
+    load_model(checkpoint, dtype="int8")
+    [entry] = [p for p in (cache / "int8").iterdir() if p.is_dir()]
+    sizes = {p.name: p.stat().st_size for p in entry.iterdir() if p.name.endswith((".safetensors", ".json"))
+             and p.name != int8.MANIFEST}
+    (entry / int8.MANIFEST).write_text(json.dumps(sizes))  # as the older version wrote it
+    for stamp in entry.glob("*" + disk_cache.CHECKED):
+        stamp.unlink()
+    quantize = int8._quantize_and_write
+    monkeypatch.setattr(int8, "_quantize_and_write", lambda *a: pytest.fail("quantized again"))
+    capsys.readouterr()
+    assert torch.equal(logits(load_model(checkpoint, dtype="int8")), fresh)
+    assert "an older version recorded sizes only" in capsys.readouterr().err
+    assert disk_cache.damage(entry, int8.MANIFEST) is None
+    monkeypatch.setattr(int8, "_quantize_and_write", quantize)
+    sizes["layers.0.safetensors"] += 1
+    (entry / int8.MANIFEST).write_text(json.dumps(sizes))
+    assert torch.equal(logits(load_model(checkpoint, dtype="int8")), fresh)
+    assert "quantizing llama again" in capsys.readouterr().err
+
+
 def test_a_cache_found_whole_is_hashed_again_only_once_a_file_changed(tmp_path, monkeypatch):
     """Hashing a 7 GB preset at every start would cost seconds: a stamp of what was found whole
     skips it, and any write to a file (even with its mtime set back) voids the stamp."""

@@ -208,3 +208,25 @@ def file_damage(path: Path) -> str | None:
         return None if sha256(path) == recorded else "it does not match the SHA-256 recorded when it was written"
     except OSError as error:
         return f"unreadable: {error.strerror}"
+
+
+def adopt_older(folder: Path, manifest: str, unwritable: OSError | None) -> bool:
+    """Whether `folder` was made whole by an older version, whose manifest recorded sizes only
+    (every file has its size): its checksums are recorded now, or where the folder cannot be
+    written it is taken as it is, said once. Making it again would take minutes."""
+    try:
+        sizes = json.loads((folder / manifest).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(sizes, dict) or not sizes or not all(type(size) is int for size in sizes.values()):
+        return False
+    if not all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in sizes.items()):
+        return False
+    if unwritable:
+        say_once(f"{folder} was made by an older version, which recorded no checksums, and {folder.parent} cannot "
+                 f"be written ({unwritable.strerror}): taken as it is")
+    else:
+        say(f"recording the SHA-256 of every file of {folder} (an older version recorded sizes only)")
+        record(folder, manifest)
+    return True
+

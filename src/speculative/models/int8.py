@@ -85,6 +85,8 @@ def load_cached(path: Path, cfg: DecoderOnlyConfig, float_reader, progress: bool
         with disk_cache.lock(directory) as unwritable:
             if not unwritable:  # another process may have made it while this one waited
                 model, damage = _cached(directory, cfg)
+            if model is None and disk_cache.adopt_older(directory, MANIFEST, unwritable):  # quantizing takes minutes
+                model, damage = _cached(directory, cfg) if not unwritable else (_read(directory, cfg), None)
             if model is None:
                 if damage:
                     disk_cache.say(f"the int8 cache {directory} is damaged ({damage}): quantizing {path.name} again")

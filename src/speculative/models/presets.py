@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import threading
@@ -157,31 +156,13 @@ def made_once(target: Path, make) -> Path:
         damage = disk_cache.damage(target, MANIFEST) if target.exists() else None
         if target.exists() and damage is None:
             return target  # made by another process while this one waited
-        if _older_and_whole(target):  # making it again would take minutes
-            if unwritable:
-                disk_cache.say_once(f"{target} was made by an older version, which recorded no checksums, and "
-                                    f"{target.parent} cannot be written ({unwritable.strerror}): taken as it is")
-            else:
-                disk_cache.say(f"recording the SHA-256 of every file of {target} (an older version recorded "
-                               "sizes only)")
-                disk_cache.record(target, MANIFEST)
+        if disk_cache.adopt_older(target, MANIFEST, unwritable):  # making it again would take minutes
             return target
         if unwritable:
             raise unwritable_error(target.parent, unwritable)
         if damage:
             disk_cache.say(f"{target} is damaged ({damage}): making it again")
         return make()
-
-
-def _older_and_whole(target: Path) -> bool:
-    """Whether `target`'s manifest is an older version's, of sizes only, and every file has its size."""
-    try:
-        sizes = json.loads((target / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(sizes, dict) or not sizes or not all(type(size) is int for size in sizes.values()):
-        return False
-    return all((target / name).is_file() and (target / name).stat().st_size == size for name, size in sizes.items())
 
 
 @contextmanager
