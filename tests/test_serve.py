@@ -5,7 +5,7 @@ Greedy answers are compared token for token with the plain autoregressive refere
 same model in this process; seeded sampling with the step engine run offline on the same
 draft; stop strings, usage and the speculative figures are checked against what the
 reference implies. Two servers serve the whole module: `spec` (the default draft, an API
-key, a chat template) and `plain` (no draft, one row, one waiting request).
+key, a chat template) and `plain` (no draft, one row, one queued request).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ PROMPTS = [
 def servers():
     """Both servers start together (each is an interpreter, torch and the models: a few seconds)."""
     spec = Server(key=KEY, template=True)
-    plain = Server("--draft", "none", "--max-batch-size", "1", "--max-waiting", "1")
+    plain = Server("--draft", "none", "--max-batch-size", "1", "--max-queued", "1")
     try:
         yield spec.wait_healthy(), plain.wait_healthy()
     finally:
@@ -440,8 +440,8 @@ def test_disconnect_mid_stream_aborts_the_request(spec):
 
 
 def test_full_queue_is_refused(plain):
-    """One row and one waiting place: a third request gets 503 in OpenAI's schema; the others
-    are served, and so is the next one."""
+    """One row and one queued place: a third request gets 429 in OpenAI's schema, with
+    Retry-After; the others are served, and so is the next one."""
     body = {**GOOD, "prompt": PROMPTS[1], "max_tokens": 400, "stream": True}
     with httpx.Client(timeout=TIMEOUT) as http:
         with http.stream("POST", f"{plain.url}/v1/completions", json=body) as running:
@@ -455,9 +455,10 @@ def test_full_queue_is_refused(plain):
             waiter = threading.Thread(target=wait_in_line)
             waiter.start()
             assert plain.wait_metric("speculative_num_requests_waiting", 1, deadline=TIMEOUT) == 1
-            with pytest.raises(openai.InternalServerError) as caught:
+            with pytest.raises(openai.RateLimitError) as caught:
                 client(plain).completions.create(model=MODEL, prompt="x", max_tokens=3)
-            assert caught.value.status_code == 503 and caught.value.body["code"] == "queue_full"
+            assert caught.value.status_code == 429 and caught.value.body["code"] == "queue_full"
+            assert "1 queued for a row" in caught.value.body["message"]
             assert caught.value.response.headers["retry-after"] == "1"
     waiter.join(30)
     assert waiting_result["response"].status_code == 200

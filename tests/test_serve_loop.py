@@ -5,11 +5,15 @@ engine fails. The HTTP server around it is tested in test_serve.py."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
+
+import pytest
 
 from speculative import Engine, SamplingParams, autoregressive_generate
 from speculative.entrypoints.serve.engine_loop import EngineLoop, Job
 from speculative.entrypoints.serve.metrics import Metrics
+from speculative.entrypoints.serve.protocol import APIError
 from tests.helpers import tiny
 
 WAIT = 300  # seconds for any one event: a guard against a hang, not a timing
@@ -19,9 +23,9 @@ def decode(ids: list[int]) -> str:
     return "".join(f"<{t}>" for t in ids)
 
 
-def start(max_batch_size: int = 4, max_waiting: int = 4):
+def start(max_batch_size: int = 4, max_queued: int = 4):
     model = tiny("decoder_only", vocab=64, seed=3)
-    loop = EngineLoop(Engine(model, None, max_batch_size=max_batch_size), decode, Metrics(), max_waiting)
+    loop = EngineLoop(Engine(model, None, max_batch_size=max_batch_size), decode, Metrics(), max_queued)
     loop.start()
     return model, loop
 
@@ -75,7 +79,7 @@ def test_stop_string_cuts_the_text_and_ends_the_request():
 
 
 def test_capacity_and_bad_requests_are_refused_without_disturbing_others():
-    model, loop = start(max_batch_size=1, max_waiting=0)
+    model, loop = start(max_batch_size=1, max_queued=0)
     try:
         bad = submit(loop, "b", [[1, 999]], SamplingParams(5)).get(timeout=WAIT).error
         assert bad.status == 400 and "outside the vocabulary" in bad.message and bad.param == "prompt"
@@ -83,10 +87,78 @@ def test_capacity_and_bad_requests_are_refused_without_disturbing_others():
         refused = submit(loop, "q", [[3, 4]], SamplingParams(5))
         assert running.get(timeout=WAIT).kind == "admitted"
         error = refused.get(timeout=WAIT).error
-        assert (error.status, error.code) == (503, "queue_full")
+        assert (error.status, error.code) == (429, "queue_full")
         assert collect_after_admitted(running)["tokens"] == autoregressive_generate(model, [1, 2], 30)
     finally:
         loop.stop()
+
+
+def test_a_full_queue_refuses_at_once_while_a_step_runs_and_counts_every_end():
+    """1 row and 2 queued places, the engine thread held inside a step: the fourth job (and a
+    job of 2 prompts when 1 place is left) is refused inside `submit`, before the step ends,
+    with 429 and a message that says how many are queued; every way a request ends (length,
+    a stop string, an abort, a 400, a refusal) gives its place back."""
+    model, loop = start(max_batch_size=1, max_queued=2)
+    stepping, release = threading.Event(), threading.Event()
+    step = loop.engine.step
+
+    def held_step():
+        stepping.set()
+        assert release.wait(WAIT)
+        return step()
+    try:
+        loop.engine.step = held_step
+        jobs = [submit(loop, f"j{i}", [[1 + i, 2]], SamplingParams(6)) for i in range(3)]
+        assert stepping.wait(WAIT) and loop.held == 3
+        full = submit(loop, "full", [[5]], SamplingParams(2))
+        error = full.get_nowait().error  # already there: no step had to end
+        assert (error.status, error.code) == (429, "queue_full") and not release.is_set()
+        assert "2 queued for a row" in error.message and "--max-queued" in error.message
+        assert "retry later" in error.message and error.body()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(APIError) as early:
+            loop.check_room(1)
+        assert early.value.status == 429
+        assert loop.metrics.refused._value.get() == 2 and loop.held == 3
+        release.set()
+        loop.engine.step = step
+        for i, events in enumerate(jobs):
+            got = collect(events)
+            assert got[0]["tokens"] == autoregressive_generate(model, [1 + i, 2], 6)
+        assert wait_until(lambda: loop.held == 0)
+        # a 400, a stop string, an abort: each gives its place back
+        assert submit(loop, "bad", [[1, 999]], SamplingParams(5)).get(timeout=WAIT).error.status == 400
+        text = decode(autoregressive_generate(model, [1, 2], 6))
+        assert collect(submit(loop, "s", [[1, 2]], SamplingParams(20), (text[4:9],)))[0]["finish"] == "stop"
+        stepping.clear(), release.clear()
+        loop.engine.step = held_step  # the abort lands while the request's first step runs
+        aborted = submit(loop, "a", [[3, 4]], SamplingParams(20))
+        assert aborted.get(timeout=WAIT).kind == "admitted" and stepping.wait(WAIT)
+        loop.abort(["a-0"])
+        loop.engine.step = step
+        release.set()
+        assert collect_after_admitted(aborted)["finish"] == "abort"
+        assert wait_until(lambda: loop.held == 0)
+        two = submit(loop, "two", [[1], [2]], SamplingParams(3))
+        assert collect(two, 2)[1]["finish"] == "length" and wait_until(lambda: loop.held == 0)
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_max_queued_must_be_a_count():
+    model = tiny("decoder_only", vocab=64, seed=3)
+    for bad in (-1, 1.5, "8", None, True):
+        with pytest.raises(ValueError, match="max_queued must be an integer >= 0"):
+            EngineLoop(Engine(model, None, max_batch_size=1), decode, Metrics(), bad)
+
+
+def wait_until(condition, deadline: float = WAIT) -> bool:
+    end = time.monotonic() + deadline
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def collect_after_admitted(events: queue.Queue) -> dict:

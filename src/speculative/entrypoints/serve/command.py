@@ -9,6 +9,7 @@ line per request (`--no-access-log` turns that off) and a line when it shuts dow
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 import signal
@@ -23,6 +24,9 @@ from ..engine_args import EngineArgs, describe_draft
 log = logging.getLogger("speculative.serve")
 
 NEEDS = ("fastapi", "uvicorn", "prometheus_client")
+# --max-queued's default, per row of --max-batch-size: a queued request waits for at most
+# about this many batches ahead of it before it starts.
+QUEUED_PER_ROW = 8
 
 
 def add_serve(sub) -> None:
@@ -34,8 +38,15 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=integer(1, 65535), default=8000, help="port, 1..65535; one in use exits with "
                    "status 3 (default: %(default)s)")
-    p.add_argument("--max-waiting", type=integer(0), default=64, help="requests that may wait for a row; more "
-                   "are refused with 503 (default: %(default)s)")
+    p.add_argument("--max-queued", type=integer(0), default=None, metavar="N",
+                   help="requests that may wait for a row (the running batch is --max-batch-size); one more is "
+                   "refused at once with 429, an OpenAI error body (code queue_full) and Retry-After, so a "
+                   "burst of any size holds at most --max-batch-size plus N requests. A queued request costs "
+                   "only its prompt, but it waits for the rows ahead of it: past about 8 batches, a client is "
+                   "better served by a quick 429 and a retry (or another server). 0: no queue, refuse whenever "
+                   "every row is busy (default: 8 x --max-batch-size)")
+    p.add_argument("--max-waiting", type=integer(0), dest="max_queued", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the older name of --max-queued, still taken
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for a tokenizer without "
@@ -156,9 +167,11 @@ def run_serve(args) -> int:
     from .metrics import Metrics
 
     engine_args = EngineArgs.from_args(args).validate()
+    if args.max_queued is None:
+        args.max_queued = QUEUED_PER_ROW * engine_args.max_batch_size
     engine, tokenizer, context = build_engine(args, engine_args)
     warm_up(engine, tokenizer)
-    loop = EngineLoop(engine, tokenizer.decode, Metrics(), args.max_waiting)
+    loop = EngineLoop(engine, tokenizer.decode, Metrics(), args.max_queued)
     settings = Settings(args.served_model_name or args.target, context, args.api_key, args.max_body_bytes,
                         tuple(tokenizer.eos_token_ids), vocab_size=engine.target.vocab_size)
     app = create_app(loop, tokenizer, settings)
@@ -184,7 +197,7 @@ def banner(model_name: str, args, engine_args: EngineArgs) -> str:
     draft, k = engine_args.draft, engine_args.num_draft_tokens
     how = "" if draft == "none" else f"K {'adaptive, at most' if engine_args.adaptive else 'fixed'} {k}, "
     return (f"serving {model_name} on http://{args.host}:{args.port} (draft: {describe_draft(draft)}, {how}batch "
-            f"{engine_args.max_batch_size}, waiting {args.max_waiting})")
+            f"{engine_args.max_batch_size}, queue {args.max_queued})")
 
 
 def setup_logging(quiet_access: bool) -> None:

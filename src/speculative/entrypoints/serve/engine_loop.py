@@ -3,8 +3,14 @@
 Handlers `submit` a job (one HTTP request's prompts) and read `Event`s from the job's
 sink (in the app, a per-request asyncio queue fed through `call_soon_threadsafe`). The
 thread takes commands between engine steps (submit, abort, drain, stop), so an abort
-takes effect at the next step, and a slow forward never blocks the event loop. Per
-request it turns tokens into text (`TextStream`: stop strings across token boundaries;
+takes effect at the next step, and a slow forward never blocks the event loop.
+
+The loop holds at most `capacity` requests (the engine's rows plus `max_queued` waiting
+for one), counted from `submit` until each request's last event: a job that would pass it
+is refused in the caller's thread, at once, with 429 (`queue_full`), whatever the engine
+thread is doing. So a burst of any size costs memory for `capacity` requests, not for the
+burst, and every request in it either runs or gets its refusal without waiting for a step.
+Per request it turns tokens into text (`TextStream`: stop strings across token boundaries;
 a request that meets one is aborted at once, so it leaves the batch before the next
 step), times it, and counts it in the metrics.
 """
@@ -72,9 +78,16 @@ class Tracked:
 
 class EngineLoop:
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str], metrics: Metrics,
-                 max_waiting: int, clock: Callable[[], float] = time.monotonic):
+                 max_queued: int, clock: Callable[[], float] = time.monotonic):
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+            raise ValueError(f"max_queued must be an integer >= 0, got {max_queued!r}")
         self.engine, self.decode, self.metrics = engine, decode, metrics
-        self.capacity = engine.max_batch_size + max_waiting  # running plus waiting
+        self.max_queued = max_queued
+        self.capacity = engine.max_batch_size + max_queued  # running plus queued
+        # Requests submitted and not yet ended (refused, failed, finished or aborted): the one
+        # count of load, kept by submit (any thread) and the engine thread under one lock.
+        self.held = 0
+        self._held_lock = threading.Lock()
         self.clock = clock
         self.commands: queue.Queue = queue.Queue()
         self.tracked: dict[str, Tracked] = {}
@@ -89,7 +102,45 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        """Hand a job to the engine thread, or refuse it here and now (its sink gets the 429
+        error event before this returns) when its prompts would pass the capacity."""
+        with self._held_lock:
+            refusal = self._refusal(len(job.prompts))
+            if refusal is None:
+                self.held += len(job.prompts)
+        if refusal is not None:
+            self.metrics.refused.inc()
+            return self._send(job, Event("error", error=refusal))
         self.commands.put(("submit", job))
+
+    def check_room(self, count: int) -> None:
+        """Raise the 429 that `submit` would give `count` prompts now (a cheap early answer,
+        before a request is tokenized; `submit` decides)."""
+        with self._held_lock:
+            refusal = self._refusal(count)
+        if refusal is not None:
+            self.metrics.refused.inc()
+            raise refusal
+
+    def _refusal(self, count: int) -> APIError | None:
+        if self.held + count <= self.capacity:
+            return None
+        running = min(self.held, self.engine.max_batch_size)
+        adds = f"; this request adds {count}" if count > 1 else ""
+        return APIError(429, f"the queue is full: {running} requests running and {self.held - running} queued for "
+                        f"a row, at most {self.max_queued} may queue (--max-queued){adds}: retry later",
+                        code="queue_full")
+
+    def _release(self, count: int = 1) -> None:
+        with self._held_lock:
+            self.held -= count
+
+    def _forget(self, request_id: str) -> Tracked | None:
+        """A request's last event is sent (or nobody waits for it): it stops counting."""
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is not None:
+            self._release()
+        return tracked
 
     def abort(self, request_ids: list[str]) -> None:
         self.commands.put(("abort", list(request_ids)))
@@ -140,6 +191,7 @@ class EngineLoop:
             for request_id, tracked in list(self.tracked.items()):
                 self._send(tracked.job, Event("error", tracked.index, error=APIError(
                     500, f"the engine failed: {self.failed}", code="engine_failed")))
+            self._release(len(self.tracked))
             self.tracked.clear()
             return
         now = self.clock()
@@ -153,10 +205,10 @@ class EngineLoop:
     def _deliver(self, request_id: str, t: Tracked, output, now: float) -> None:
         if t.done:  # ended by a stop string: the engine's abort output closes it
             if output.finished:
-                del self.tracked[request_id]
+                self._forget(request_id)
             return
         if output.finish_reason == "error":  # the engine could not go on with it: say why
-            del self.tracked[request_id]
+            self._forget(request_id)
             self.metrics.requests.labels("error").inc()
             return self._send(t.job, Event("error", t.index, error=APIError(500, output.error, code="engine_error")))
         tokens, stopped = [], False
@@ -189,7 +241,7 @@ class EngineLoop:
             self.metrics.requests.labels(finish).inc()
             self.metrics.e2e.observe(now - t.job.arrival)
             if output.finished:
-                del self.tracked[request_id]
+                self._forget(request_id)
         if tokens or finish is not None:
             self._send(t.job, event)
 
@@ -198,16 +250,12 @@ class EngineLoop:
         return RequestStats(stats.drafted, stats.accepted, stats.target_forwards, t.delivered, t.prompt_tokens)
 
     def _on_submit(self, job: Job) -> None:
-        """Add every prompt of the job, or none: a refusal takes back the ones already added."""
+        """Add every prompt of the job, or none: a refusal takes back the ones already added
+        (and the job's place in the count that `submit` took)."""
         if self.draining or self.failed is not None:
+            self._release(len(job.prompts))
             why = "the server is shutting down" if self.draining else f"the engine failed: {self.failed}"
             return self._send(job, Event("error", error=APIError(503, why, code="unavailable")))
-        load = self.engine.num_running() + self.engine.num_waiting()
-        if load + len(job.prompts) > self.capacity:
-            return self._send(job, Event("error", error=APIError(
-                503, f"the server is at capacity ({self.engine.num_running()} requests running, "
-                f"{self.engine.num_waiting()} waiting, at most {self.capacity} in all): retry later",
-                code="queue_full")))
         added = []
         try:
             for request_id, prompt in zip(job.request_ids, job.prompts):
@@ -217,6 +265,7 @@ class EngineLoop:
             message = str(error).removeprefix(f"request {request_id!r}: ")  # an id the client never saw
             for request_id in added:
                 self.engine.abort(request_id)
+            self._release(len(job.prompts))
             param = "stop_token_ids" if "stop_token_ids" in message else (
                 "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt")
             return self._send(job, Event("error", error=APIError(400, message, param)))
@@ -230,7 +279,7 @@ class EngineLoop:
         for request_id in request_ids:
             if request_id in self.tracked and self.engine.abort(request_id):
                 continue
-            tracked = self.tracked.pop(request_id, None)  # already finished in the engine
+            tracked = self._forget(request_id)  # already finished in the engine
             if tracked is not None and not tracked.done:
                 self._send(tracked.job, Event("output", tracked.index, tracked.text.take(final=True),
                                               finish_reason="abort"))

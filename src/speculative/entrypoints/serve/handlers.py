@@ -52,8 +52,9 @@ class Routes:
         req = parse_completion(await read_body(request, self.settings.max_body_bytes), self.settings.model_name)
         if len(req.prompts) > self.loop.capacity:  # it could never be admitted: not a "retry later"
             raise APIError(413, f"prompt holds {len(req.prompts)} prompts; this server takes at most "
-                           f"{self.loop.capacity} at once (--max-batch-size plus --max-waiting): send them in "
+                           f"{self.loop.capacity} at once (--max-batch-size plus --max-queued): send them in "
                            "several requests", "prompt", "too_many_prompts")
+        self.loop.check_room(len(req.prompts))  # a full queue refuses before the prompts are tokenized
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
         for i, prompt in enumerate(prompts):
             self.check_prompt(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
@@ -70,6 +71,7 @@ class Routes:
     async def chat(self, request: Request):
         authorize(request, self.settings.api_key)
         req = parse_chat(await read_body(request, self.settings.max_body_bytes), self.settings.model_name)
+        self.loop.check_room(1)
         try:
             prompt = self.tokenizer.chat_messages(req.messages)
         except ValueError as error:

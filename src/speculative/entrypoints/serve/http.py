@@ -26,7 +26,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def api_error(request, error: APIError):
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None  # seconds
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

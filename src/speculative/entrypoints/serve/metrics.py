@@ -1,11 +1,11 @@
 """Prometheus metrics of the server, named after vLLM's under our own prefix.
 
-Counters: requests (by finish reason), prompt and generated tokens (the tokens clients were
-given), and speculative decoding: drafts (row-steps that drafted), draft tokens, accepted
-tokens, accepted tokens per position. Gauges: running and waiting requests. Histograms:
-time to first token, inter-token latency (between successive outputs of a request: one per
-engine step, which may carry several tokens), end-to-end latency. Each server has its own
-registry.
+Counters: requests (by finish reason), requests refused because the queue was full, prompt
+and generated tokens (the tokens clients were given), and speculative decoding: drafts
+(row-steps that drafted), draft tokens, accepted tokens, accepted tokens per position.
+Gauges: running and waiting requests. Histograms: time to first token, inter-token latency
+(between successive outputs of a request: one per engine step, which may carry several
+tokens), end-to-end latency. Each server has its own registry.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class Metrics:
         name = lambda n: f"{PREFIX}_{n}"  # noqa: E731
         self.requests = Counter(name("requests"), "Finished requests, by finish reason", ["finish_reason"],
                                 registry=r)
+        self.refused = Counter(name("requests_refused"), "Requests refused with 429 because the queue was full "
+                               "(--max-queued)", registry=r)
         self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(name("generation_tokens"), "Generated tokens given to clients", registry=r)
         self.drafts = Counter(name("spec_decode_num_drafts"), "Row-steps that drafted at least one token",

@@ -24,8 +24,8 @@ from ...core.config import MAX_NEW_TOKENS
 from ...core.inputs import check_request_seed
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",
-               500: "server_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable_error"}
 # Fields OpenAI defines that this server takes only at their "off" value.
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
