@@ -117,7 +117,9 @@ def convert(model, arch: str, out, kind=Q8_0, tokenizer: bool = False):
             values = interleave(values, HEADS if "q_proj" in name else KV_HEADS)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values + 1
-        if values.ndim == 2 and kind != F32:
+        if values.ndim == 2 and kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name, arch), values.astype(np.float16))
+        elif values.ndim == 2 and kind != F32:
             writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name, arch), values.astype(np.float32))
@@ -160,6 +162,22 @@ def test_a_gguf_file_runs_on_its_blocks_width_invariant_and_speculation_is_exact
     plain = autoregressive_generate(blocks, PROMPT, 24)
     decoder = SpeculativeDecoder(blocks, NGramProposer(), SpeculativeConfig(num_draft_tokens=4, prompt_lookup=False))
     assert decoder.generate(PROMPT, 24) == plain
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "F16"])
+def test_types_without_a_kernel_run_in_int8_from_their_decoded_values(kind, tmp_path):
+    """The stated fallback for a type the block kernels do not run: its layer is decoded and
+    quantized to int8 (width-invariant too), never refused, never silently in float."""
+    from speculative.models.kernels import Int8Linear
+
+    path, model = checkpoint("qwen2", tmp_path)
+    file = convert(model, "qwen2", tmp_path / "model.gguf", kind=getattr(gguf.GGMLQuantizationType, kind))
+    blocks = load_model(file, dtype="gguf")
+    assert all(isinstance(module, Int8Linear) for name, module in blocks.named_modules()
+               if name.endswith(("_proj", "lm_head")))
+    decoded = logits_of(load_model(file, dtype="float32"), PROMPT)
+    assert (logits_of(blocks, PROMPT) - decoded).norm() / decoded.norm() < 0.03
+    assert widths_agree(blocks)
 
 
 def test_auto_runs_a_gguf_file_on_its_blocks_where_int8_runs_fast(tmp_path, monkeypatch):
