@@ -111,6 +111,21 @@ def publish(written: Path, target: Path) -> None:
         os.replace(written, target)
 
 
+def write_folder(target: Path, manifest: str, fill) -> None:
+    """`target` made whole or not at all: `fill(folder)` writes its files into a folder of this
+    process's own, their checksums are recorded, then it is renamed into place. An error or
+    Ctrl-C leaves nothing half-written."""
+    written = partial(target)
+    written.mkdir(parents=True)
+    try:
+        fill(written)
+        record(written, manifest)
+        publish(written, target)
+    except BaseException:
+        remove(written)
+        raise
+
+
 def remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

@@ -53,18 +53,11 @@ def gguf_tokenizer(path: Path) -> TextTokenizer:
             disk_cache.say_once(f"{folder.parent} cannot be written ({unwritable.strerror}): the tokenizer of "
                                 f"{path.name} is made at every start")
             with tempfile.TemporaryDirectory() as scratch:
-                _write_tokenizer(path, Path(scratch) / "tokenizer")
-                return _read(Path(scratch) / "tokenizer")
+                _write_tokenizer(path, Path(scratch))
+                return _read(Path(scratch))
         if damage != "absent":
             disk_cache.say(f"the tokenizer cache {folder} is damaged ({damage}): making it again")
-        written = disk_cache.partial(folder)
-        try:
-            _write_tokenizer(path, written)
-            disk_cache.record(written, TOKENIZER_MANIFEST)
-            disk_cache.publish(written, folder)
-        except BaseException:  # an error or Ctrl-C: nothing half-written is left
-            disk_cache.remove(written)
-            raise
+        disk_cache.write_folder(folder, TOKENIZER_MANIFEST, lambda written: _write_tokenizer(path, written))
     return _read(folder)
 
 
@@ -94,7 +87,6 @@ def _write_tokenizer(path: Path, folder: Path) -> None:
         backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                     special_tokens=[(bos, bos_id)])
     metadata = read_metadata(path, arrays=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"))
-    folder.mkdir(parents=True)
     backend.save(str(folder / "tokenizer.json"))
     special = {key: value for key, value in config.items() if key.endswith("_token") and isinstance(value, str)}
     template = metadata.get("tokenizer.chat_template")

@@ -224,15 +224,7 @@ def dequantize(gguf: Path, target: Path) -> Path:
     manifest of its files' sizes and SHA-256, then renamed."""
     print(f"dequantizing {gguf.name} once into {target} (a few minutes on 2 CPU cores; later loads take "
           "seconds)", file=sys.stderr, flush=True)
-    partial = disk_cache.partial(target)
-    partial.mkdir(parents=True)
-    try:
-        convert_gguf(gguf, partial)
-        disk_cache.record(partial, MANIFEST)
-        disk_cache.publish(partial, target)
-    except BaseException:  # an error or Ctrl-C: nothing half-written is left
-        disk_cache.remove(partial)
-        raise
+    disk_cache.write_folder(target, MANIFEST, lambda folder: convert_gguf(gguf, folder))
     return target
 
 
