@@ -27,22 +27,18 @@ from speculative import load_model
 from speculative.core import disk_cache
 from speculative.models import presets
 from speculative.proposers.vocab import corpus_vocab
+from tests.test_int8 import llama_checkpoint  # noqa: F401 (a fixture)
+from tests.test_presets import fake_chunks
 
 IDS = [[1, 2, 3, 4, 5, 6, 7, 8]]
 REPO = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(llama_checkpoint):
     """A transformers Llama checkpoint that loads into the built-in decoder (no tokenizer, so
     quantized without smoothing)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return llama_checkpoint
 
 
 @pytest.fixture
@@ -305,17 +301,7 @@ PARTS = [b"GGUF" + bytes(range(256)) * (1 << 15), bytes(range(255, -1, -1)) * (1
 @pytest.fixture
 def split(tmp_path, monkeypatch):
     """Three fake chunk packages on sys.path (as in test_presets.py), and the spec of their file."""
-    root = tmp_path / "site"
-    for i, data in enumerate(PARTS, 1):
-        package = root / f"fakechunk_part{i}"
-        (package / "data").mkdir(parents=True)
-        (package / "__init__.py").write_text("")
-        (package / "data" / f"part{i:02d}.bin").write_bytes(data)
-    monkeypatch.syspath_prepend(str(root))
-    whole = b"".join(PARTS)
-    spec = presets.ChunkedGGUF("fake-model", tuple(f"fakechunk_part{i}" for i in range(1, 4)), len(whole),
-                               hashlib.sha256(whole).hexdigest(), "fake")
-    monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
+    spec, root, _ = fake_chunks(PARTS, tmp_path, monkeypatch)
     return spec, root
 
 

@@ -16,14 +16,19 @@ PARTS = [b"GGUF" + bytes(range(7)) * 9, bytes(range(50, 120)), b"tail of the fil
 @pytest.fixture
 def split(tmp_path, monkeypatch):
     """Three fake chunk packages on sys.path, and the spec that describes them."""
+    return fake_chunks(PARTS, tmp_path, monkeypatch)
+
+
+def fake_chunks(parts: list[bytes], tmp_path, monkeypatch):
+    """Chunk packages holding `parts` on sys.path, the cache in tmp_path: (spec, root, whole)."""
     root = tmp_path / "site"
-    for i, data in enumerate(PARTS, 1):
+    for i, data in enumerate(parts, 1):
         package = root / f"fakechunk_part{i}"
         (package / "data").mkdir(parents=True)
         (package / "__init__.py").write_text("")
         (package / "data" / f"part{i:02d}.bin").write_bytes(data)
     monkeypatch.syspath_prepend(str(root))
-    whole = b"".join(PARTS)
+    whole = b"".join(parts)
     spec = presets.ChunkedGGUF("fake-model", tuple(f"fakechunk_part{i}" for i in range(1, 4)), len(whole),
                                hashlib.sha256(whole).hexdigest(), "fake")
     monkeypatch.setenv("SPECULATIVE_CACHE", str(tmp_path / "cache"))
