@@ -205,88 +205,100 @@ inline __m256i scale_of(const int8_t* scales, int j, int h) {
   return speculative::both_halves(pair, j % 2 == 1);
 }
 
-// The same with AVX2 (VNNI: AVX-VNNI) for T input rows, one super-block and one half of the
-// group (rows 8h..8h+7: 8 lanes), adding each row's share to out. Without VNNI, maddubs
-// multiplies unsigned weights (at most 63) by signed activations (at most 127 in size) two and
-// two, within 16 bits, a chunk's two such sums are added in 16 bits (|sum| <= 32004), and one
-// madd multiplies them by the sub-block's scale into the row's sum. For 1 or 2 rows, Q4_K's 4
-// chunks of a sub-block are summed in 16 bits first (at most 30480), one madd a sub-block: fewer
-// multiplies; for more rows its extra live registers measured slower (dev/LOG.md, 2026-12-07).
-// With VNNI, dpbusd sums a sub-block in 32 bits, then one mullo scales it.
-template <int BITS, int T, bool VNNI>
+// The same with AVX2 (VNNI: AVX-VNNI) for T input rows and one super-block, for H halves of the
+// group from half h0 (rows 8h..8h+7: 8 lanes each), adding each row's share to out. Without
+// VNNI, maddubs multiplies unsigned weights (at most 63) by signed activations (at most 127 in
+// size) two and two, within 16 bits, a chunk's two such sums are added in 16 bits (|sum| <=
+// 32004), and one madd multiplies them by the sub-block's scale into the row's sum. For 1 or 2
+// rows, Q4_K's 4 chunks of a sub-block are summed in 16 bits first (at most 30480), one madd a
+// sub-block: fewer multiplies; for more rows its extra live registers measured slower (dev/LOG.md,
+// 2026-12-07). With VNNI, dpbusd sums a sub-block in 32 bits, then one mullo scales it. Both
+// halves in one pass (H = 2, for 1 or 2 rows) load each row's activations once for 16 rows of
+// weights: fewer instructions between the loads of a memory-bound stream (AVX2 Zen 3, width 1).
+template <int BITS, int T, bool VNNI, int H>
 __attribute__((target("avx2")))
-void block_half_avx2(const int8_t* column, int64_t K, const Block<BITS>& block, const float* xs, int64_t xs_stride,
-                     const int32_t* pairs, int64_t pairs_stride, int h, float* out) {
+void block_avx2(const int8_t* column, int64_t K, const Block<BITS>& block, const float* xs, int64_t xs_stride,
+                const int32_t* pairs, int64_t pairs_stride, int h0, float* out) {
   using L = Layout<BITS>;
   constexpr bool kSum16 = BITS == 4 && !VNNI && T <= 2;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m256i isum[T];
-  for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+  __m256i isum[H][T];
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < T; ++t) isum[h][t] = _mm256_setzero_si256();
   for (int j = 0; j < L::kSubs; ++j) {
-    const __m256i sc = scale_of<VNNI>(block.scales, j, h);
-    __m256i dot[T];  // the sub-block's sums: VNNI's in 32 bits, kSum16's in 16
-    for (int t = 0; t < T; ++t) dot[t] = _mm256_setzero_si256();
-    __m256i two_bits = _mm256_setzero_si256();
-    if constexpr (BITS == 6) two_bits = load256(block.quants + L::kNibbleBytes + j * 64 + h * 32);
+    __m256i sc[H], dot[H][T];  // the sub-block's sums: VNNI's in 32 bits, kSum16's in 16
+    __m256i two_bits[H];
+    for (int h = 0; h < H; ++h) {
+      sc[h] = scale_of<VNNI>(block.scales, j, h0 + h);
+      for (int t = 0; t < T; ++t) dot[h][t] = _mm256_setzero_si256();
+      if constexpr (BITS == 6) two_bits[h] = load256(block.quants + L::kNibbleBytes + j * 64 + (h0 + h) * 32);
+    }
     for (int i = 0; i < L::kChunksPerSub; ++i) {
       const int c = j * L::kChunksPerSub + i;
-      const __m256i wv = load256(block.quants + c * 64 + h * 32);
-      __m256i low = _mm256_and_si256(wv, nibble);
-      __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
-      if constexpr (BITS == 6) {
-        const __m256i top = _mm256_set1_epi8(0x30);
-        low = _mm256_or_si256(low, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two_bits, 4) : two_bits, top));
-        high = _mm256_or_si256(high, _mm256_and_si256(
-            i == 0 ? _mm256_slli_epi16(two_bits, 2) : _mm256_srli_epi16(two_bits, 2), top));
-      }
       const int8_t* at = column + c * L::kChunkColumns;
-      for (int t = 0; t < T; ++t) {
-        const __m256i x0 = speculative::broadcast4(at + t * K), x1 = speculative::broadcast4(at + t * K + 4);
-        if constexpr (VNNI) {
-          dot[t] = speculative::dpbusd_vex(speculative::dpbusd_vex(dot[t], low, x0), high, x1);
-        } else {
-          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(low, x0), _mm256_maddubs_epi16(high, x1));
-          if constexpr (kSum16) dot[t] = _mm256_add_epi16(dot[t], sum);
-          else isum[t] = speculative::madd_add<false>(isum[t], sum, sc);
+      __m256i x0[T], x1[T];
+      for (int t = 0; t < T; ++t) x0[t] = speculative::broadcast4(at + t * K), x1[t] = speculative::broadcast4(at + t * K + 4);
+      for (int h = 0; h < H; ++h) {
+        const __m256i wv = load256(block.quants + c * 64 + (h0 + h) * 32);
+        __m256i low = _mm256_and_si256(wv, nibble);
+        __m256i high = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
+        if constexpr (BITS == 6) {
+          const __m256i top = _mm256_set1_epi8(0x30), two = two_bits[h];
+          low = _mm256_or_si256(low, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two, 4) : two, top));
+          high = _mm256_or_si256(high, _mm256_and_si256(i == 0 ? _mm256_slli_epi16(two, 2) : _mm256_srli_epi16(two, 2), top));
+        }
+        for (int t = 0; t < T; ++t) {
+          if constexpr (VNNI) {
+            dot[h][t] = speculative::dpbusd_vex(speculative::dpbusd_vex(dot[h][t], low, x0[t]), high, x1[t]);
+          } else {
+            const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(low, x0[t]), _mm256_maddubs_epi16(high, x1[t]));
+            if constexpr (kSum16) dot[h][t] = _mm256_add_epi16(dot[h][t], sum);
+            else isum[h][t] = speculative::madd_add<false>(isum[h][t], sum, sc[h]);
+          }
         }
       }
     }
-    for (int t = 0; t < T; ++t) {
-      if constexpr (VNNI) isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(dot[t], sc));
-      else if constexpr (kSum16) isum[t] = speculative::madd_add<false>(isum[t], dot[t], sc);
-    }
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        if constexpr (VNNI) isum[h][t] = _mm256_add_epi32(isum[h][t], _mm256_mullo_epi32(dot[h][t], sc[h]));
+        else if constexpr (kSum16) isum[h][t] = speculative::madd_add<false>(isum[h][t], dot[h][t], sc[h]);
+      }
   }
-  const __m256 d = _mm256_loadu_ps(block.d + h * 8), dmin = _mm256_loadu_ps(block.dmin + h * 8);
-  for (int t = 0; t < T; ++t) {
-    __m256i msum = _mm256_setzero_si256();
-    for (int j = 0; j < L::kSubs; j += 2) {  // m of two sub-blocks times their sums of x, as 16-bit pairs
-      const __m256i m = _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.mins + j * kGroup + h * 16)));
-      msum = speculative::madd_add<VNNI>(msum, m, _mm256_set1_epi32(pairs[t * pairs_stride + j / 2]));
+  for (int h = 0; h < H; ++h) {
+    const int half = h0 + h;
+    const __m256 d = _mm256_loadu_ps(block.d + half * 8), dmin = _mm256_loadu_ps(block.dmin + half * 8);
+    for (int t = 0; t < T; ++t) {
+      __m256i msum = _mm256_setzero_si256();
+      for (int j = 0; j < L::kSubs; j += 2) {  // m of two sub-blocks times their sums of x, as 16-bit pairs
+        const __m256i m = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.mins + j * kGroup + half * 16)));
+        msum = speculative::madd_add<VNNI>(msum, m, _mm256_set1_epi32(pairs[t * pairs_stride + j / 2]));
+      }
+      const __m256 part = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[h][t])),
+                                        _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
+      float* sum = out + t * kGroup + half * 8;
+      _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_mul_ps(_mm256_set1_ps(xs[t * xs_stride]), part)));
     }
-    const __m256 part = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[t])),
-                                      _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum)));
-    float* sum = out + t * kGroup + h * 8;
-    _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), _mm256_mul_ps(_mm256_set1_ps(xs[t * xs_stride]), part)));
   }
 }
 
-// T <= 8 input rows: super-block after super-block, each half of the group (the second half
-// reads the super-block's 2.4 KB again from L1), every row in one pass over the weights.
+// T <= 8 input rows: super-block after super-block, both halves of the group in one pass (1 or 2
+// rows) or one after the other (the second reads the super-block's 2.4 KB again from L1), every
+// row in one pass over the weights. One prefetch into L1 4 KB ahead: a second into L2 16 KB ahead,
+// which the AVX-512 tile gains from on a Zen 4, made a Zen 3's width 1 13-19% slower.
 template <int BITS, int T, bool VNNI>
 __attribute__((target("avx2")))
 void tile_avx2(const int8_t* q, int64_t K, const float* xs, const int32_t* xsum, const uint8_t* w, float* out) {
   using L = Layout<BITS>;
+  constexpr int kHalves = T <= 2 ? 2 : 1;
   const int64_t blocks = K / kBlock, subs = L::kSubs / 2;
   std::fill(out, out + T * kGroup, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const Block<BITS> block(w + b * L::kBytes);
-    for (int line = 0; line < L::kBytes; line += 64) {
+    for (int line = 0; line < L::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block.quants + line + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block.quants + line + 4 * kPrefetch), _MM_HINT_T1);
-    }
-    for (int h = 0; h < 2; ++h)
-      block_half_avx2<BITS, T, VNNI>(q + b * kBlock, K, block, xs + b, blocks, xsum + b * subs, blocks * subs, h, out);
+    for (int h0 = 0; h0 < 2; h0 += kHalves)
+      block_avx2<BITS, T, VNNI, kHalves>(q + b * kBlock, K, block, xs + b, blocks, xsum + b * subs, blocks * subs, h0, out);
   }
 }
 
