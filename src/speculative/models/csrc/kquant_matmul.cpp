@@ -43,8 +43,9 @@ using speculative::Isa;
 constexpr int kGroup = 16;   // output rows per packed group
 constexpr int kBlock = 256;  // columns per super-block
 constexpr int kTokens = 8;   // input rows per pass over a group's weights
-// Prefetches: into L1 4 KB ahead, into L2 16 KB ahead (Zen 4, Qwen 1.5B's Q6_K down projections,
-// 1 row: 8.2 ms against 11.5 with the first alone; 1 KB ahead alone: slower still).
+// Prefetches: into L1 4 KB ahead, and in the AVX-512 tile into L2 16 KB ahead (Zen 4, Qwen 1.5B's
+// Q6_K down projections, 1 row: 8.2 ms against 11.5 with the first alone; 1 KB ahead alone:
+// slower still). The AVX2 tile prefetches into L1 only: on a Zen 3 the second made it slower.
 constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kQ4K = 12, kQ6K = 14;  // GGML's type numbers
 
