@@ -57,7 +57,7 @@ def main(name: str, isas: list[str] | None) -> None:
 
 def runs(ops, isa: str) -> bool:
     try:
-        ops.q32_linear(torch.zeros(1, 32), torch.zeros(1, 1, 4 * 64 + 64 + 32, dtype=torch.uint8), 5, None, 16, isa)
+        ops.q32_linear(torch.zeros(1, 32), torch.zeros(1, 1, 4 * 64 + 64 + 32, dtype=torch.uint8), 6, None, 16, isa)  # Q5_0
         return True
     except RuntimeError:
         return False

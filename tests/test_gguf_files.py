@@ -164,7 +164,24 @@ def test_a_gguf_file_runs_on_its_blocks_width_invariant_and_speculation_is_exact
     assert decoder.generate(PROMPT, 24) == plain
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "F16"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_files_of_32_column_types_run_on_their_blocks(kind, tmp_path):
+    """Whole files of the older 32-column types (SmolLM2's is Q4_1) run on their own blocks:
+    close to their decoded values, width-invariant, speculation exact."""
+    path, model = checkpoint("llama", tmp_path)
+    file = convert(model, "llama", tmp_path / "model.gguf", kind=getattr(gguf.GGMLQuantizationType, kind))
+    blocks = load_model(file, dtype="gguf")
+    layers = [module for name, module in blocks.named_modules() if name.endswith(("_proj", "lm_head"))]
+    assert all(isinstance(module, KQuantLinear) and kind in repr(module) for module in layers)
+    decoded = logits_of(load_model(file, dtype="float32"), PROMPT)
+    assert (logits_of(blocks, PROMPT) - decoded).norm() / decoded.norm() < 0.03
+    assert widths_agree(blocks)
+    plain = autoregressive_generate(blocks, PROMPT, 24)
+    decoder = SpeculativeDecoder(blocks, NGramProposer(), SpeculativeConfig(num_draft_tokens=4, prompt_lookup=False))
+    assert decoder.generate(PROMPT, 24) == plain
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
 def test_types_without_a_kernel_run_in_int8_from_their_decoded_values(kind, tmp_path):
     """The stated fallback for a type the block kernels do not run: its layer is decoded and
     quantized to int8 (width-invariant too), never refused, never silently in float."""

@@ -25,7 +25,8 @@ from tests.test_lossless import DRAWS, LENGTH, P_MIN, VOCAB, draw, exact_joint, 
 
 gguf = pytest.importorskip("gguf")
 
-Q4_K, Q6_K, Q5_0, Q8_0, F16 = 12, 14, 6, 8, 1
+Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16 = 12, 14, 2, 3, 6, 7, 8, 1
+OFFSETS = {Q4_0: 8, Q5_0: 16, Q8_0: 128}  # w = d (u - o); Q4_1, Q5_1: w = d u + m
 ISAS = ["auto", *isa.LEVELS[1:4], "plain"]
 
 
@@ -46,7 +47,7 @@ def random_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
 
 
 def gguf_blocks(rows: int, columns: int, kind: int, seed: int) -> np.ndarray:
-    """Rows of Q5_0 or Q8_0 blocks (32 columns each) as gguf's quantizer writes them."""
+    """Rows of 32-column blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as gguf's quantizer writes them."""
     weights = np.random.default_rng(seed).normal(0, 0.05, (rows, columns)).astype(np.float32)
     return gguf.quants.quantize(weights, gguf.GGMLQuantizationType(kind))
 
@@ -82,28 +83,35 @@ def unpack(packed: torch.Tensor, bits: int, rows: int):
     return quants[:rows].long(), scales.long(), mins.long(), d, dmin
 
 
-def unpack32(packed: torch.Tensor, bits: int, rows: int):
-    """(unsigned quants, d) per row from q32_matmul.cpp's layout, each (rows, ...) in column order."""
+def unpack32(packed: torch.Tensor, kind: int, rows: int):
+    """(unsigned quants, d, m or None) per row from q32_matmul.cpp's layout, each (rows, ...) in
+    column order."""
     groups, blocks, _ = packed.shape
-    if bits == 8:  # 8 chunks of 4 columns
+    if kind == Q8_0:  # 8 chunks of 4 columns
         quants = packed[:, :, :512].reshape(groups, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4)
         at = 512
-    else:  # 4 chunks of 8 columns (low nibbles the first 4), then each row's 4 bytes of fifth bits
+    else:  # 4 chunks of 8 columns (low nibbles the first 4), then for 5 bits each row's 4 bytes of fifth bits
         nibbles = packed[:, :, :256].reshape(groups, blocks, 4, 16, 4)
-        low = torch.stack([nibbles & 15, nibbles >> 4], 4)  # (.., chunk, row, half, 4 columns)
-        fifth = packed[:, :, 256:320].reshape(groups, blocks, 1, 16, 1, 4)
-        shifts = (2 * torch.arange(4).view(1, 1, 4, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2, 1)).to(torch.uint8)
-        quants = (low | (((fifth >> shifts) & 1) << 4)).permute(0, 3, 1, 2, 4, 5)
-        at = 320
-    d = packed[:, :, at:at + 32].contiguous().view(torch.float16).reshape(groups, blocks, 16).permute(0, 2, 1)
-    return quants.reshape(groups * 16, -1)[:rows].long(), d.reshape(groups * 16, blocks)[:rows].float()
+        quants = torch.stack([nibbles & 15, nibbles >> 4], 4)  # (.., chunk, row, half, 4 columns)
+        at = 256
+        if kind in (Q5_0, Q5_1):
+            fifth = packed[:, :, 256:320].reshape(groups, blocks, 1, 16, 1, 4)
+            shifts = (2 * torch.arange(4).view(1, 1, 4, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2, 1)).to(torch.uint8)
+            quants = quants | (((fifth >> shifts) & 1) << 4)
+            at = 320
+        quants = quants.permute(0, 3, 1, 2, 4, 5)
+    halves = lambda at: packed[:, :, at:at + 32].contiguous().view(torch.float16).reshape(  # noqa: E731
+        groups, blocks, 16).permute(0, 2, 1).reshape(groups * 16, blocks)[:rows].float()
+    m = halves(at + 32) if kind in (Q4_1, Q5_1) else None
+    return quants.reshape(groups * 16, -1)[:rows].long(), halves(at), m
 
 
-def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    """The kernel's product computed here: activations to int8 per 256 columns (32 for Q5_0
-    and Q8_0), exact integer sums per sub-block, then the kernel's float operations in its order."""
-    if bits in (5, 8):
-        return reference32(x, packed, bits, rows)
+def reference(x: torch.Tensor, packed: torch.Tensor, kind: int, rows: int) -> torch.Tensor:
+    """The kernel's product computed here: activations to int8 per 256 columns (32 for the
+    32-column types), exact integer sums per sub-block, then the kernel's float operations in its order."""
+    if kind not in (Q4_K, Q6_K):
+        return reference32(x, packed, kind, rows)
+    bits = 4 if kind == Q4_K else 6
     quants, scales, mins, d, dmin = unpack(packed, bits, rows)
     width, columns = x.shape
     blocks, sub = columns // 256, 32 if bits == 4 else 16
@@ -121,8 +129,8 @@ def reference(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> to
     return out
 
 
-def reference32(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
-    quants, d = unpack32(packed, bits, rows)
+def reference32(x: torch.Tensor, packed: torch.Tensor, kind: int, rows: int) -> torch.Tensor:
+    quants, d, m = unpack32(packed, kind, rows)
     width, columns = x.shape
     blocks = columns // 32
     chunks = x.reshape(width, blocks, 32)
@@ -130,20 +138,28 @@ def reference32(x: torch.Tensor, packed: torch.Tensor, bits: int, rows: int) -> 
     inverse = torch.full_like(peak, 127.0) / peak
     xq = torch.round(chunks * inverse).clamp(-127, 127).long()
     dots = torch.einsum("mbs,nbs->mnb", xq, quants.reshape(rows, blocks, 32))
-    isum = dots - (16 if bits == 5 else 128) * xq.sum(-1)[:, None]
-    scale = (peak[:, None, :, 0] / 127) * d[None]  # (width, rows, blocks): xs * d
+    xs, xsum = peak[:, None, :, 0] / 127, xq.sum(-1)[:, None]  # (width, 1, blocks)
     out = torch.zeros(width, rows)
     for block in range(blocks):
-        out = out + scale[:, :, block] * isum[:, :, block].float()
+        if m is None:  # xs * d * (dot - o * sum(x))
+            isum = dots[:, :, block] - OFFSETS[kind] * xsum[:, :, block]
+            out = out + (xs[:, :, block] * d[None, :, block]) * isum.float()
+        else:  # xs * (d * dot + m * sum(x))
+            part = d[None, :, block] * dots[:, :, block].float() + m[None, :, block] * xsum[:, :, block].float()
+            out = out + xs[:, :, block] * part
     return out
 
 
-@pytest.mark.parametrize("kind", [Q5_0, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
 def test_packed_32_column_blocks_hold_what_gguf_decodes(ops, kind):
     raw = gguf_blocks(40, 896, kind, seed=kind)
     packed = ops.q32_pack(torch.from_numpy(raw), kind, 896)
-    quants, d = unpack32(packed, 5 if kind == Q5_0 else 8, 40)
-    weights = d.repeat_interleave(32, 1) * (quants - (16 if kind == Q5_0 else 128)).float()
+    quants, d, m = unpack32(packed, kind, 40)
+    per_column = lambda t: t.repeat_interleave(32, 1)  # noqa: E731
+    if m is None:
+        weights = per_column(d) * (quants - OFFSETS[kind]).float()
+    else:
+        weights = per_column(d) * quants.float() + per_column(m)
     assert torch.equal(weights, dequantize(raw, kind, 896))
 
 
@@ -161,7 +177,8 @@ def test_packed_blocks_hold_what_gguf_decodes(ops, kind):
 
 @pytest.mark.parametrize("level", ISAS)
 @pytest.mark.parametrize("kinds, rows, columns", [([Q4_K], 48, 768), ([Q6_K], 40, 768), ([Q4_K, Q6_K], 37, 768),
-                                                   ([Q5_0], 48, 896), ([Q8_0], 40, 896), ([Q5_0, Q8_0], 37, 896)])
+                                                   ([Q5_0], 48, 896), ([Q8_0], 40, 896), ([Q5_0, Q8_0], 37, 896),
+                                                   ([Q4_0], 48, 896), ([Q4_1, Q5_1], 37, 896)])
 def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, level, kinds, rows, columns):
     if level not in kernel_isas():
         pytest.skip(f"this CPU does not run {level}")
@@ -175,7 +192,7 @@ def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, level, kinds,
     for width in WIDTHS:
         assert torch.equal(layer(x[:width]), alone[:width]), width
     assert torch.equal(layer(x.view(1, 17, -1))[0], alone)
-    expected = torch.cat([reference(x, packed, bits, n) for packed, bits, n in layer.runs], 1) + layer.bias
+    expected = torch.cat([reference(x, packed, kind, n) for packed, kind, n in layer.runs], 1) + layer.bias
     assert torch.equal(alone, expected)  # the kernel computes what its comment says, to the bit
     weights = torch.cat([dequantize(raw, kind, columns) for raw, kind in parts])
     plain = torch.randn(17, columns)  # without the outlier: int8 activations per 256 (or 32) columns lose little
@@ -183,7 +200,7 @@ def test_a_kquant_layer_gives_each_row_the_bits_it_gets_alone(ops, level, kinds,
     assert (layer(plain) - exact).norm() / exact.norm() < 0.02
 
 
-@pytest.mark.parametrize("kinds", [(Q4_K, Q6_K), (Q5_0, Q8_0)])
+@pytest.mark.parametrize("kinds", [(Q4_K, Q6_K), (Q5_0, Q8_0), (Q4_0, Q4_1), (Q5_1, Q4_0)])
 def test_every_instruction_set_gives_the_same_bits(ops, kinds):
     parts = [(blocks_of(64, 1024, kinds[0], 1), kinds[0]), (blocks_of(32, 1024, kinds[1], 2), kinds[1])]
     layer = KQuantLinear(parts, 1024)
@@ -235,7 +252,7 @@ def test_bad_packing_input_is_refused_with_what_is_allowed(ops):
     with pytest.raises(RuntimeError, match="columns"):
         layer(torch.randn(2, 512))
     raw = torch.from_numpy(gguf_blocks(4, 96, Q5_0, 3))
-    with pytest.raises(RuntimeError, match="not Q5_0"):
+    with pytest.raises(RuntimeError, match=r"type 12 is not Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), Q5_1 \(7\) or Q8_0"):
         ops.q32_pack(raw, Q4_K, 96)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.q32_pack(raw, Q5_0, 100)
@@ -243,6 +260,9 @@ def test_bad_packing_input_is_refused_with_what_is_allowed(ops):
         ops.q32_pack(raw, Q8_0, 96)
     with pytest.raises(RuntimeError, match="columns"):
         KQuantLinear([(raw.numpy(), Q5_0)], 96)(torch.randn(2, 128))
+    packed = ops.q32_pack(raw, Q5_0, 96)
+    with pytest.raises(RuntimeError, match="do not match"):  # Q5_0's blocks read as Q4_1's
+        ops.q32_linear(torch.randn(2, 96), packed, Q4_1, None, 4, "auto")
 
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 256, 4, 2, 512, 2

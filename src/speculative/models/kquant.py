@@ -1,14 +1,15 @@
 """k-quant models (`--dtype gguf`): every linear layer that a GGUF file stores in Q4_K or Q6_K
 blocks runs on those blocks as stored (`csrc/kquant_matmul.cpp`), with each token's
-activations in int8 per 256 columns; in Q5_0 or Q8_0 blocks (32 columns: what Q4_K_M keeps
-where rows are no multiple of 256 columns), on those (`csrc/q32_matmul.cpp`), activations in
-int8 per 32 columns; the rest as an int8 model's (`int8.py`), attention and norms in float32.
+activations in int8 per 256 columns; in Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks (32 columns: what
+Q4_K_M keeps where rows are no multiple of 256 columns, and files of those types), on those
+(`csrc/q32_matmul.cpp`), activations in int8 per 32 columns; the rest as an int8 model's
+(`int8.py`), attention and norms in float32.
 
 Why: the weights are then the file's own (what llama.cpp computes with), read at 4.5-8.5 bits
 a weight instead of int8's 8 (Qwen2.5-Coder 1.5B, Q4_K_M: 1.02 GB a token against 1.54; the
 0.5B draft, mostly Q5_0: 16.9 ms a token against 19.8-23.7), and the kernels give each token
 the same bits at any width, so speculative output is exactly this model's own one-token decoding.
-Layers of other types (float16, Q4_0, ...) are quantized to int8 from the float checkpoint,
+Layers of other types (float16, Q5_K, ...) are quantized to int8 from their decoded values,
 without smoothing.
 
 The float checkpoint (made from the same file by `presets.py`) supplies the norms, biases
@@ -38,18 +39,19 @@ from .layers import FUSED
 
 log = logging.getLogger("speculative")
 
-# GGML type numbers the kernels run -> bits per stored quant in their layouts: the k-quants of
-# 256 columns (csrc/kquant_matmul.cpp) and the blocks of 32 (csrc/q32_matmul.cpp).
-K_QUANTS = {12: 4, 14: 6}  # Q4_K, Q6_K
-KERNEL_TYPES = {**K_QUANTS, 6: 5, 8: 8}  # and Q5_0, Q8_0
-TYPE_NAMES = {4: "Q4_K", 6: "Q6_K", 5: "Q5_0", 8: "Q8_0"}  # by bits
+# The GGML types the kernels run, by type number: the k-quants of 256 columns
+# (csrc/kquant_matmul.cpp, which takes their bits per quant) and the blocks of 32
+# (csrc/q32_matmul.cpp, which takes the type number).
+K_QUANTS = {12: 4, 14: 6}  # Q4_K, Q6_K -> bits
+TYPE_NAMES = {12: "Q4_K", 14: "Q6_K", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+KERNEL_TYPES = frozenset(TYPE_NAMES)
 # The GGUF tensors (llama.cpp's names) behind each linear layer of the fused decoder.
 GGUF_NAMES = {"o_proj": ("attn_output",), "down_proj": ("ffn_down",), "q_proj": ("attn_q",), "k_proj": ("attn_k",),
               "v_proj": ("attn_v",), "gate_proj": ("ffn_gate",), "up_proj": ("ffn_up",)}
 
 
 class KQuantLinear(nn.Module):
-    """y ~ x W^T + b with W in the blocks of a GGUF file (Q4_K, Q6_K, Q5_0, Q8_0); width-invariant,
+    """y ~ x W^T + b with W in the blocks of a GGUF file (TYPE_NAMES); width-invariant,
     bit for bit. A fused layer whose parts have different types (Q4_K_M keeps some value
     projections in Q6_K) runs one product per run of parts of one type."""
 
@@ -64,24 +66,25 @@ class KQuantLinear(nn.Module):
         self.out_features = sum(len(raw) for raw, _ in parts)
         self.isa = "auto"  # the instruction set (models/isa.py): auto (the best allowed here) or a level by name
         self.source = source if source is not None else lambda: parts
-        self.runs = []  # (packed blocks, bits, rows)
+        self.runs = []  # (packed blocks, GGML type, rows)
         for kind in _runs(parts):
             raw = np.concatenate([raw for raw, _ in kind]) if len(kind) > 1 else kind[0][0]
             with warnings.catch_warnings():  # a read-only view of the file: packing only reads it
                 warnings.simplefilter("ignore")
                 blocks = torch.from_numpy(np.ascontiguousarray(raw))
             pack = ops.kquant_pack if kind[0][1] in K_QUANTS else ops.q32_pack
-            self.runs.append((pack(blocks, kind[0][1], in_features), KERNEL_TYPES[kind[0][1]], len(raw)))
+            self.runs.append((pack(blocks, kind[0][1], in_features), kind[0][1], len(raw)))
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == torch.float32 else x.float()
         outputs, start = [], 0
-        for packed, bits, rows in self.runs:
+        for packed, kind, rows in self.runs:
             bias = None if self.bias is None else self.bias[start:start + rows]
-            product = torch.ops.speculative_kernels.kquant_linear if bits in K_QUANTS.values() else \
-                torch.ops.speculative_kernels.q32_linear
-            outputs.append(product(x, packed, bits, bias, rows, self.isa))
+            if kind in K_QUANTS:
+                outputs.append(torch.ops.speculative_kernels.kquant_linear(x, packed, K_QUANTS[kind], bias, rows, self.isa))
+            else:
+                outputs.append(torch.ops.speculative_kernels.q32_linear(x, packed, kind, bias, rows, self.isa))
             start += rows
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
 
@@ -95,7 +98,7 @@ class KQuantLinear(nn.Module):
         return KQuantLinear([(raw[ids], kind)], self.in_features, None if self.bias is None else self.bias[ids])
 
     def extra_repr(self) -> str:
-        kinds = "+".join(TYPE_NAMES[bits] for _, bits, _ in self.runs)
+        kinds = "+".join(TYPE_NAMES[kind] for _, kind, _ in self.runs)
         return f"in_features={self.in_features}, out_features={self.out_features}, {kinds}"
 
 
@@ -120,8 +123,8 @@ class GGUFTensor:
 
 # Bytes of the values that a GGUF key-value entry may hold, by type number (8: string, 9: array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-# Q4_K, Q6_K, Q5_0, Q8_0: (columns, bytes) per block.
-_BLOCK = {12: (256, 144), 14: (256, 210), 6: (32, 22), 8: (32, 34)}
+# Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: (columns, bytes) per block.
+_BLOCK = {12: (256, 144), 14: (256, 210), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34)}
 
 
 def runs_on_blocks(shape: tuple[int, ...], kind: int) -> bool:
@@ -233,7 +236,7 @@ def auto_reason(path: Path, device, weights: int, draft: bool = False) -> str | 
     there a target's int8 forward of 16 tokens costs 1.3 one-token forwards (the blocks' 2.4),
     and it reads prompts faster; with the Qwen pair's default drafting, on a Xeon, int8 ran
     grounded editing 1.36x as fast as the blocks, code completion 0.96x, chat 0.88x
-    (BENCHMARKS.md). A `draft` needs half in any type the kernels run (Q5_0 and Q8_0 too):
+    (BENCHMARKS.md). A `draft` needs half in any type the kernels run (Q5_0, Q8_0, ... too):
     its forward is bound by the bytes it reads, and Q5_0 reads 5.5 bits a weight where int8
     reads 8 (the 0.5B draft, full vocabulary: 16.9 ms a token against 19.8-23.7)."""
     from . import presets, precision
