@@ -43,8 +43,10 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
-test-all: setup
-	$(PY) -m pytest
+# Every test, as CI runs them: the quick run above (the README's command), then the slow
+# tests in one process (Ray clusters, servers and long statistical tests, one at a time).
+test-all: test
+	$(PY) -m pytest -m slow
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
