@@ -6,14 +6,24 @@
 // one tile's sum: the order of groups and passes changes no bit.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace speculative {
 
 constexpr int64_t kGroupsTogether = 8;
+
+// x (..., K) as contiguous rows (M, K), and the product's output y (..., N), uninitialized.
+inline std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return {x.reshape({-1, x.size(-1)}).contiguous(), at::empty(shape, x.options())};
+}
 
 // tile(m0, tokens, g, sums): the sums (tokens, 16) of input rows m0.. against group g.
 template <int TOKENS, class Tile>

@@ -483,11 +483,8 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "kquant_linear: x has ", K, " columns and N = ", N, "; the packed weights do not match");
   const Isa isa = speculative::isa_named(isa_name, "kquant_linear");
   const int sub = bits == 4 ? Layout<4>::kSub : Layout<6>::kSub;
-  const at::Tensor flat = x.reshape({-1, K}).contiguous();
+  const auto [flat, y] = speculative::rows_and_output(x, N);
   const int64_t M = flat.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> q(M * K);
   std::vector<float> xs(M * blocks);

@@ -399,11 +399,8 @@ at::Tensor q32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t typ
     TORCH_CHECK(packed.size(2) == L::kBytes && K == blocks * kBlock && N <= Np && Np - N < kGroup,
                 "q32_linear: x has ", K, " columns and N = ", N, "; the packed weights do not match");
     const Isa isa = speculative::isa_named(isa_name, "q32_linear");
-    const at::Tensor flat = x.reshape({-1, K}).contiguous();
+    const auto [flat, y] = speculative::rows_and_output(x, N);
     const int64_t M = flat.size(0);
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    at::Tensor y = at::empty(shape, x.options());
     if (M == 0 || N == 0) return y;
     std::vector<int8_t> q(M * K);
     std::vector<float> xs(M * blocks);
