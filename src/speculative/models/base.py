@@ -106,17 +106,24 @@ def pad(rows: list[list[int]], device=None, value: int = 0) -> torch.Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
-def prefill(model, prompts: list[list[int]], capacity: int, hidden: list | None = None):
+def prefill(model, prompts: list[list[int]], capacity: int, hidden: list | None = None,
+            logits: list | None = None):
     """A fresh state that has seen every prompt but its last token (fed with the first step).
-    Given a list `hidden`, appends to it each prompt's final hidden states (len - 1, H)."""
+    Given a list `hidden`, appends to it each prompt's final hidden states (len - 1, H); given
+    a list `logits`, each prompt's logits (len - 1, V) (what prompt log-probabilities need)."""
     state = model.new_state(len(prompts), capacity)
     heads = [p[:-1] for p in prompts]
     if max(map(len, heads)) > 0:
-        out = model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=False,
+        out = model.forward(pad(heads, model.device), state, [len(h) for h in heads], keep_logits=logits is not None,
                             **({"return_hidden": True} if hidden is not None else {}))
         if hidden is not None:
             hidden += [out[1][b, :len(h)] for b, h in enumerate(heads)]
-    elif hidden is not None:
+        if logits is not None:
+            scores = out[0] if hidden is not None else out  # (B, T, V)
+            logits += [scores[b, :len(h)].float() for b, h in enumerate(heads)]
+    elif logits is not None:
+        logits += [torch.zeros(0, model.vocab_size, device=model.device) for _ in heads]
+    if max(map(len, heads)) == 0 and hidden is not None:
         size = model.embed(torch.zeros(1, 1, dtype=torch.long, device=model.device)).shape[-1]
         hidden += [torch.zeros(0, size, device=model.device) for _ in heads]
     return state

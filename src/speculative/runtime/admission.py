@@ -51,7 +51,8 @@ def check_request_id(request_id, live) -> None:
 def check_fits(request_id: Hashable, prompt: list[int], params: SamplingParams, target, draft) -> None:
     """Prompt and stop tokens within the vocabulary; prompt and new tokens within each model's length."""
     vocab = target.vocab_size
-    for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids or ())):
+    for name, ids in (("prompt", prompt), ("stop_token_ids", params.stop_token_ids or ()),
+                      ("logit_bias", params.logit_bias or ())):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: {name} holds token id {bad[0]}, outside the vocabulary: "

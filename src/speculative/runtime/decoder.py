@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 
 from ..core.config import SpeculativeConfig, as_config
 from ..core.deprecation import renamed_attribute, renamed_keywords
@@ -18,13 +17,12 @@ from ..core.inputs import (check_draft, check_draft_width, check_eos, check_leng
                      normalize_max_new, normalize_prompts)
 from ..core.inputs import row_seeds as checked_row_seeds
 from ..core.rows import SamplingParams
-from ..core.sampling import NonFiniteLogits, argmax, make_generators, non_finite_rows, probabilities, sample
 from ..core.stats import DecodeStats
-from ..models.base import prefill, screens_argmax
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.costs import cost_book
 from ..proposers import as_proposer, default_config
 from .engine import LEARNING, Engine, check_compatible
+from .reference import plain_generate
 
 
 class GenerationError(RuntimeError):
@@ -121,43 +119,16 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
 
     Greedy unless `config.greedy_verification` is False and `config.target_temperature` > 0,
     in which case it samples with target_temperature / top_k / top_p, row b from its own
-    generator (seeded like the speculative decoder's target stream).
+    generator (seeded like the speculative decoder's target stream). Per-request settings
+    (penalties, logprobs, ...): `reference.plain_generate`, which this calls.
     """
     config = as_config(config)
     check_model(model, "model")
     prompts, batched = normalize_prompts(prompt_ids)
-    batch = len(prompts)
-    budgets = normalize_max_new(max_new_tokens, batch)
-    check_token_range(prompts, model.vocab_size)
-    eos = check_eos(eos_token_id, model.vocab_size)
-    check_length(prompts, budgets, model, "target")
-    generators = make_generators(row_seeds(config, batch, seeds), model.device)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    active = list(range(batch))  # rows still generating; finished rows leave the batch
-    with torch.inference_mode():
-        state = prefill(model, prompts, max(len(p) + m for p, m in zip(prompts, budgets)) + 1)
-        last = [p[-1] for p in prompts]
-        screens = screens_argmax(model)  # greedy rows' logits are read only for their argmax
-        while True:
-            keep = [i for i, row in enumerate(active) if len(outputs[row]) < budgets[row]
-                    and not (outputs[row] and outputs[row][-1] in eos)]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                model.select_rows(state, keep)
-                active, last = [active[i] for i in keep], [last[i] for i in keep]
-                generators = [generators[i] for i in keep]
-            screen = {"argmax_rows": [not config.sampling] * len(active)} if screens else {}
-            logits = model.forward(torch.tensor(last, device=model.device)[:, None], state, **screen)[:, -1]  # (B, V)
-            bad = non_finite_rows(logits)
-            if bad:
-                raise NonFiniteLogits("target", [active[i] for i in bad])  # named as prompts
-            if config.sampling:
-                tokens = sample(probabilities(logits, config.target_temperature, config.top_k, config.top_p),
-                                generators).tolist()
-            else:
-                tokens = argmax(logits).tolist()
-            for row, token in zip(active, tokens):
-                outputs[row].append(token)
-            last = tokens
+    budgets = normalize_max_new(max_new_tokens, len(prompts))
+    eos = tuple(sorted(check_eos(eos_token_id, model.vocab_size)))
+    temperature = config.target_temperature if config.sampling else 0.0
+    params = [SamplingParams(budget, temperature, config.top_k, config.top_p, seed, eos)
+              for budget, seed in zip(budgets, row_seeds(config, len(prompts), seeds))]
+    outputs = [out.token_ids for out in plain_generate(model, prompts, params)]
     return outputs if batched else outputs[0]

@@ -62,6 +62,7 @@ import torch
 
 from ..core.config import SpeculativeConfig
 from ..core.inputs import check_draft, check_model, normalize_prompts
+from ..core.logprobs import prompt_logprobs
 from ..core.rows import RequestOutput, Row, SamplingParams
 from ..core.sampling import GREEDY, NonFiniteLogits, Sampler
 from ..core.stats import DecodeStats, RequestStats
@@ -292,10 +293,16 @@ class Engine:
         prompts = [row.sequence for row in joining]
         capacity = max(len(p) + row.left for p, row in zip(prompts, joining)) + self.widest_draft + 1
         hidden = [] if self.reads_features else None
+        echo = [row.params.prompt_logprobs is not None and row.generated == 0 for row in joining]
+        logits = [] if any(echo) else None  # the prompts' logits, read only for prompt logprobs
         if self.state is None:
-            self.state = prefill(self.target, prompts, capacity, hidden)
+            self.state = prefill(self.target, prompts, capacity, hidden, logits)
         else:  # prefilled apart (only as long as the prompts), then added to the running rows
-            self.target.add_rows(self.state, prefill(self.target, prompts, max(map(len, prompts)), hidden), capacity)
+            self.target.add_rows(self.state, prefill(self.target, prompts, max(map(len, prompts)), hidden, logits),
+                                 capacity)
+        for row, wanted, scores in zip(joining, echo, logits or []):
+            if wanted:
+                row.prompt_logprobs = prompt_logprobs(scores, row.sequence, row.params.prompt_logprobs)
         self.proposer.add_rows(prompts, capacity, [row.draft_sampler for row in joining],
                                [row.draft_generator for row in joining])
         if hidden is not None:
@@ -306,7 +313,7 @@ class Engine:
 
     def argmax_rows(self, rows: list[Row]) -> list[bool] | None:
         """Which rows read only the argmax of their logits (greedy), for a target that takes it."""
-        return [row.sampler.greedy for row in rows] if screens_argmax(self.target) else None
+        return [row.params.reads_argmax_only for row in rows] if screens_argmax(self.target) else None
 
     def _target_forward(self, tokens, *args, argmax_rows: list[bool] | None, **kwargs):
         """The verify forward: logits, and the final hidden states when a draft head reads

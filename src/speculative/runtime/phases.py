@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.penalties import chain_contexts, tree_contexts
 from ..core.rows import Row
 from ..core.sampling import check_finite
 from ..core.stats import DecodeStats
@@ -24,6 +25,7 @@ from ..core.verify import tree_verify_rows, verify_rows
 from ..policy.costs import measure
 from ..policy.tree_budget import LOOKUP, MODEL
 from ..proposers import Proposal, merge_drafts
+from .request_logits import kept_logprobs, penalize_rows
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
 LEARNING = threading.Lock()
@@ -68,6 +70,8 @@ class Verdict:
     paths: list[list[int]] | None = None
     kept: list[list[int]] | None = None
     verify_width: int = 0
+    # Per row, the kept tokens' log-probabilities (None: the row did not ask).
+    logprobs: list | None = None
 
 
 class Phases:
@@ -98,10 +102,11 @@ class Phases:
         return [max(0, min(k, row.left - 1)) for row in rows]
 
     def commit_rows(self, rows: list[Row], tokens: list[list[int]], drafted: list[int], accepted: list[int],
-                    stats: DecodeStats, outputs: list) -> None:
+                    stats: DecodeStats, outputs: list, logprobs: list | None = None) -> None:
         """Each row keeps its accepted drafts and the target's token; finished rows are let go."""
-        for row, row_tokens, length, kept in zip(rows, tokens, drafted, accepted):
-            output = row.commit(row_tokens, length, kept)
+        logprobs = logprobs or [None] * len(rows)
+        for row, row_tokens, length, kept, row_logprobs in zip(rows, tokens, drafted, accepted, logprobs):
+            output = row.commit(row_tokens, length, kept, row_logprobs)
             stats.generated += len(output.new_token_ids)
             outputs.append((row.number, output))
             if row.finished:
@@ -162,17 +167,21 @@ class ChainPhases(Phases):
                                                 argmax_rows=engine.argmax_rows(rows))
         stats.target_forward_seconds += engine.clock() - started
         check_finite(logits, "target", [1 + n for n in proposal.lengths])
-        accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits.float(),
+        logits, drafted = logits.float(), proposal.tokens.tolist()
+        penalize_rows(rows, logits, lambda b: chain_contexts(drafted[b], proposal.lengths[b] + 1))
+        accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits,
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
+        logprobs = kept_logprobs(rows, logits, [list(range(n + 1)) for n in accepted],
+                                 [d[:n] + [x] for d, n, x in zip(drafted, accepted, extra)])
         seconds = engine.clock() - started
         stats.verify_seconds += seconds
-        return Verdict(accepted, extra, hidden, seconds)
+        return Verdict(accepted, extra, hidden, seconds, logprobs=logprobs)
 
     def accept(self, rows: list[Row], drafts: Drafts, verdict: Verdict, stats: DecodeStats, outputs: list) -> None:
         """Commit, roll back, then the policy learns from the step."""
         proposal, accepted = drafts.proposal, verdict.accepted
         kept = [tokens[:n] + [token] for tokens, n, token in zip(proposal.tokens.tolist(), accepted, verdict.extra)]
-        self.commit_rows(rows, kept, proposal.lengths, accepted, stats, outputs)
+        self.commit_rows(rows, kept, proposal.lengths, accepted, stats, outputs, verdict.logprobs)
         stats.record_step(proposal.lengths, accepted)
         hidden = verdict.hidden
         features = None if hidden is None else [hidden[b, :n + 1] for b, n in enumerate(accepted)]
@@ -238,19 +247,24 @@ class TreePhases(Phases):
         check_finite(logits, "target", counts)
         seconds = engine.clock() - started
         stats.target_forward_seconds += seconds
+        logits = logits.float()
+        penalize_rows(rows, logits, lambda b: tree_contexts(trees[b].tokens, trees[b].parents))
         # Every node is a deterministic candidate (lookup branches, a draft's top-k children).
-        paths, extra = tree_verify_rows(trees, None, logits.float(), [row.sampler for row in rows],
+        paths, extra = tree_verify_rows(trees, None, logits, [row.sampler for row in rows],
                                         [row.target_generator for row in rows])
         kept = [[0] + [node + 1 for node in path] for path in paths]
+        logprobs = kept_logprobs(rows, logits, kept, [[tree.tokens[node] for node in path] + [x]
+                                                      for tree, path, x in zip(trees, paths, extra)])
         engine.target.compact(engine.state, starts, kept)
         stats.verify_seconds += engine.clock() - started
-        return Verdict([len(p) for p in paths], extra, hidden, seconds, paths, kept, tokens.shape[1])
+        return Verdict([len(p) for p in paths], extra, hidden, seconds, paths, kept, tokens.shape[1],
+                       logprobs=logprobs)
 
     def accept(self, rows: list[Row], drafts: Drafts, verdict: Verdict, stats: DecodeStats, outputs: list) -> None:
         """Commit each row's accepted path, let the policy learn, then roll back."""
         trees, paths = drafts.trees, verdict.paths
         tokens = [[tree.tokens[node] for node in path] + [token] for tree, path, token in zip(trees, paths, verdict.extra)]
-        self.commit_rows(rows, tokens, list(map(len, trees)), verdict.accepted, stats, outputs)
+        self.commit_rows(rows, tokens, list(map(len, trees)), verdict.accepted, stats, outputs, verdict.logprobs)
         depths = [max(t.depths(), default=0) for t in trees]
         stats.record_step(depths, verdict.accepted, list(map(len, trees)))
         with LEARNING:
