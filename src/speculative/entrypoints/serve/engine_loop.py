@@ -40,7 +40,8 @@ class Job:
 
     request_ids: list[str]
     prompts: list[list[int]]
-    params: SamplingParams
+    # One per request: its choices differ in their seeds.
+    params: list[SamplingParams]
     stops: tuple[str, ...]
     # Called from the engine thread with each Event for this job; must not block.
     sink: Callable[["Event"], None]
@@ -60,6 +61,10 @@ class Event:
     prompt_tokens: int = 0
     stats: RequestStats | None = None
     error: APIError | None = None
+    # With logprobs: one per token of `token_ids` but a final stop token (which the text leaves out).
+    logprobs: list | None = None
+    # With prompt logprobs, on a request's first output: one per prompt token (None first).
+    prompt_logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -233,7 +238,10 @@ class EngineLoop:
             else:
                 self.metrics.itl.observe(now - t.last)
             t.last = now
-        event = Event("output", t.index, text, tokens, finish)
+        event = Event("output", t.index, text, tokens, finish, prompt_logprobs=output.prompt_logprobs)
+        if output.logprobs is not None:
+            ended_by_token = stop_token and not stopped and len(tokens) == len(output.new_token_ids)
+            event.logprobs = output.logprobs[:len(tokens) - ended_by_token]
         if finish is not None:
             t.done = True
             event.prompt_tokens = t.prompt_tokens
@@ -258,16 +266,16 @@ class EngineLoop:
             return self._send(job, Event("error", error=APIError(503, why, code="unavailable")))
         added = []
         try:
-            for request_id, prompt in zip(job.request_ids, job.prompts):
-                self.engine.add_request(prompt, job.params, request_id)
+            for request_id, prompt, params in zip(job.request_ids, job.prompts, job.params):
+                self.engine.add_request(prompt, params, request_id)
                 added.append(request_id)
         except (ValueError, TypeError) as error:
             message = str(error).removeprefix(f"request {request_id!r}: ")  # an id the client never saw
             for request_id in added:
                 self.engine.abort(request_id)
             self._release(len(job.prompts))
-            param = "stop_token_ids" if "stop_token_ids" in message else (
-                "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt")
+            param = next((name for name in ("stop_token_ids", "logit_bias") if name in message),
+                         "messages" if job.request_ids[0].startswith("chatcmpl") else "prompt")
             return self._send(job, Event("error", error=APIError(400, message, param)))
         for index, (request_id, prompt) in enumerate(zip(job.request_ids, job.prompts)):
             self.tracked[request_id] = Tracked(job, index, TextStream(self.decode, job.stops), len(prompt))

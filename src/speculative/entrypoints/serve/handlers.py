@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ...core.rows import SamplingParams
 from .engine_loop import EngineLoop, Event, Job
 from .http import authorize, read_body
+from .logprob_format import TokenText
 from .protocol import APIError, GenerationRequest, invalid, parse_chat, parse_completion
 from .reply import Reply, sse
 
@@ -30,6 +31,7 @@ class Routes:
 
     def __init__(self, loop: EngineLoop, tokenizer, settings):
         self.loop, self.tokenizer, self.settings = loop, tokenizer, settings
+        self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
 
     async def health(self):
@@ -50,11 +52,13 @@ class Routes:
     async def completions(self, request: Request):
         authorize(request, self.settings.api_key)
         req = parse_completion(await read_body(request, self.settings.max_body_bytes), self.settings.model_name)
-        if len(req.prompts) > self.loop.capacity:  # it could never be admitted: not a "retry later"
-            raise APIError(413, f"prompt holds {len(req.prompts)} prompts; this server takes at most "
+        rows = len(req.prompts) * req.n
+        if rows > self.loop.capacity:  # it could never be admitted: not a "retry later"
+            what = f"{len(req.prompts)} prompts" + (f" times n = {req.n} choices" if req.n > 1 else "")
+            raise APIError(413, f"this request asks for {rows} rows ({what}); this server takes at most "
                            f"{self.loop.capacity} at once (--max-batch-size plus --max-queued): send them in "
-                           "several requests", "prompt", "too_many_prompts")
-        self.loop.check_room(len(req.prompts))  # a full queue refuses before the prompts are tokenized
+                           "several requests", "n" if req.n > 1 else "prompt", "too_many_prompts")
+        self.loop.check_room(rows)  # a full queue refuses before the prompts are tokenized
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
         for i, prompt in enumerate(prompts):
             self.check_prompt(prompt, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
@@ -71,7 +75,10 @@ class Routes:
     async def chat(self, request: Request):
         authorize(request, self.settings.api_key)
         req = parse_chat(await read_body(request, self.settings.max_body_bytes), self.settings.model_name)
-        self.loop.check_room(1)
+        if req.n > self.loop.capacity:
+            raise APIError(413, f"n is {req.n}; this server takes at most {self.loop.capacity} rows at once "
+                           "(--max-batch-size plus --max-queued)", "n", "too_many_prompts")
+        self.loop.check_room(req.n)
         try:
             prompt = self.tokenizer.chat_messages(req.messages)
         except ValueError as error:
@@ -85,18 +92,20 @@ class Routes:
     async def generate(self, request: Request, req: GenerationRequest, prompts: list[list[int]], prefix: str,
                        kind: str):
         """A checked request to the engine, and its answer: whole, or streamed."""
-        params = self.sampling(req, prompts, kind)
+        params = self.sampling(req, prompts, kind).choices(req.n)
         request.scope.setdefault("state", {})["usage"] = None
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        rows = [prompt for prompt in prompts for _ in range(req.n)]  # choice index: prompt * n + i
+        ids = [f"{response_id}-{i}" for i in range(len(rows))]
         events: asyncio.Queue[Event] = asyncio.Queue()
         running = asyncio.get_running_loop()
-        self.loop.submit(Job(ids, prompts, params, req.stop,
+        self.loop.submit(Job(ids, rows, params * len(prompts), req.stop,
                              lambda e: running.call_soon_threadsafe(events.put_nowait, e), self.loop.clock()))
         first = await events.get()
         if first.kind == "error":
             raise first.error
-        reply = Reply(response_id, kind, self.settings.model_name, len(prompts), req)
+        echoes = [self.echo_text(req, i // req.n, rows[i]) for i in range(len(rows))] if req.echo else None
+        reply = Reply(response_id, kind, self.settings.model_name, len(rows), req, self.token_text, echoes, rows)
         request.scope["state"]["usage"] = reply.usage  # for the access log, once the response is sent
         if req.stream:
             return StreamingResponse(self.stream(reply, events, ids), media_type="text/event-stream",
@@ -111,11 +120,23 @@ class Routes:
             room = context - len(prompts[0]) if context else None
             req.max_tokens = max(1, self.settings.default_max_tokens if room is None else room)
         check_lengths(req, prompts, context, "messages" if kind == "chat.completion" else "prompt")
+        if req.min_tokens > req.max_tokens:
+            raise invalid("min_tokens", f"min_tokens ({req.min_tokens}) is above the {req.max_tokens} tokens this "
+                          f"request may get; allowed 0..{req.max_tokens}")
         try:
             return SamplingParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
-                                  sorted(set(self.settings.eos_token_ids) | set(req.stop_token_ids)))
+                                  sorted(set(self.settings.eos_token_ids) | set(req.stop_token_ids)),
+                                  frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                                  repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
+                                  min_tokens=req.min_tokens, logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
         except ValueError as error:
             raise invalid(None, str(error)) from None
+
+    def echo_text(self, req: GenerationRequest, prompt_index: int, ids: list[int]) -> str:
+        """The prompt as `echo` returns it: the text sent, or the ids decoded."""
+        prompt = req.prompts[prompt_index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     async def collect(self, request: Request, reply: Reply, events: asyncio.Queue, ids: list[str]) -> dict:
         """The whole response, once every prompt has finished (or its client has gone)."""
@@ -146,7 +167,8 @@ class Routes:
                     yield sse(event.error.body())
                     break
                 reply.add(event)
-                if event.text or event.finish_reason or (event.token_ids and reply.req.return_token_ids):
+                if (event.text or event.finish_reason or reply.echo_pending(event.index)
+                        or (event.token_ids and (reply.req.return_token_ids or reply.req.logprobs is not None))):
                     yield sse(reply.delta(event))
             if reply.req.include_usage and reply.complete:
                 yield sse(reply.usage_chunk())

@@ -27,12 +27,16 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable_error"}
 # Fields OpenAI defines that this server takes only at their "off" value.
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+UNSUPPORTED = {"best_of": 1, "suffix": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-          "stream_options", "user", "return_token_ids", *UNSUPPORTED}
-COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON - {"best_of", "echo", "suffix"} | {"messages", "max_completion_tokens"}
+          "stream_options", "user", "return_token_ids", "n", "frequency_penalty", "presence_penalty",
+          "repetition_penalty", "logit_bias", "min_tokens", "logprobs", *UNSUPPORTED}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
+CHAT_FIELDS = COMMON - {"best_of", "suffix"} | {"messages", "max_completion_tokens", "top_logprobs"}
+# Most choices per prompt (`n`); each is a row of the batch.
+MAX_N = 128
+# Most alternatives per token: OpenAI's top_logprobs limit (completions' logprobs too, as vLLM).
+MAX_LOGPROBS = 20
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 16
 # Deepest nesting of arrays and objects a body may have (OpenAI's bodies need 4).
@@ -76,6 +80,17 @@ class GenerationRequest:
     return_token_ids: bool = False
     # The field that set max_tokens, for errors (chat: max_completion_tokens or max_tokens).
     budget_field: str = "max_tokens"
+    # Choices per prompt, each seeded seed + i.
+    n: int = 1
+    # Penalties, bias and min_tokens, as SamplingParams takes them.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    min_tokens: int = 0
+    # Alternatives per returned token (None: no logprobs); completions' `echo` returns the prompt too.
+    logprobs: int | None = None
+    echo: bool = False
 
 
 def _no_constant(name: str):
@@ -192,8 +207,7 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
                       f"{', '.join(sorted(fields))}", "unrecognized_argument")
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
-        off_too = (name == "logprobs" and value is False) or (name == "logit_bias" and value == {})
-        if name in fields and value is not None and not _same(value, off) and not off_too:
+        if name in fields and value is not None and not _same(value, off):
             raise invalid(name, f"{name}={json.dumps(value)} is not supported by this server; allowed: "
                           f"{json.dumps(off)} (or leave it out)", "unsupported")
     model = body.get("model")
@@ -223,10 +237,48 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise invalid("user", f"user must be a string, got {body['user']!r}")
     top_p = _number(body, "top_p", 0, 1, None, low_open=True)
-    return dict(model=model, temperature=_number(body, "temperature", 0, 2, 1.0),
+    return dict(model=model, temperature=_number(body, "temperature", 0, 2, 1.0), n=_integer(body, "n", 1, 1, MAX_N),
+                frequency_penalty=_number(body, "frequency_penalty", -2, 2, 0.0),
+                presence_penalty=_number(body, "presence_penalty", -2, 2, 0.0),
+                repetition_penalty=_number(body, "repetition_penalty", 0, 2, 1.0, low_open=True),
+                logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=_integer(body, "min_tokens", 0, 0),
                 top_p=None if top_p == 1 else top_p, top_k=top_k if top_k and top_k > 0 else None,
                 seed=seed, stop=_stops(body.get("stop")), stop_token_ids=_stop_ids(body.get("stop_token_ids")),
                 stream=stream, include_usage=include_usage, return_token_ids=_flag(body, "return_token_ids"))
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object whose keys are token ids (as JSON strings) and whose
+    values are numbers in -100..100. Ids past the vocabulary are refused by the engine."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"logit_bias must be an object mapping token ids to biases, got "
+                      f"{json.dumps(value)[:100]}")
+    bias = {}
+    for key, number in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise invalid("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not _is_number(number) or not -100 <= number <= 100:
+            raise invalid("logit_bias", f"logit_bias values must be numbers in -100..100, got "
+                          f"{json.dumps(number)} for token {key}")
+        bias[int(key)] = float(number)
+    return bias or None
+
+
+def _completion_logprobs(body: dict) -> tuple[int | None, bool]:
+    """Completions: `logprobs` 0..20 alternatives per token (null: none), and `echo`."""
+    logprobs = _integer(body, "logprobs", 0, None, MAX_LOGPROBS)
+    return logprobs, _flag(body, "echo")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: `logprobs` true asks for them, `top_logprobs` 0..20 alternatives (logprobs must be true)."""
+    wanted = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, None, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
+    return (top or 0) if wanted else None
 
 
 def _stops(value) -> tuple[str, ...]:
@@ -266,7 +318,13 @@ def parse_completion(body: dict, served: str) -> GenerationRequest:
     for p in prompts:
         if p == "":
             raise invalid("prompt", "prompt is an empty string; give some text")
-    return GenerationRequest(prompts=prompts, max_tokens=_integer(body, "max_tokens", 1, 16), **common)
+    logprobs, echo = _completion_logprobs(body)
+    request = GenerationRequest(prompts=prompts, max_tokens=_integer(body, "max_tokens", 1, 16), logprobs=logprobs,
+                                echo=echo, **common)
+    if request.min_tokens > request.max_tokens:
+        raise invalid("min_tokens", f"min_tokens ({request.min_tokens}) is above max_tokens ({request.max_tokens}); "
+                      f"allowed 0..{request.max_tokens}")
+    return request
 
 
 def parse_chat(body: dict, served: str) -> GenerationRequest:
@@ -299,5 +357,9 @@ def parse_chat(body: dict, served: str) -> GenerationRequest:
         raise invalid("max_tokens", f"max_tokens ({older}) and max_completion_tokens ({limit}) disagree; give "
                       "max_completion_tokens alone (max_tokens is its older name)")
     field = "max_tokens" if limit is None and older is not None else "max_completion_tokens"
-    return GenerationRequest(messages=turns, max_tokens=older if limit is None else limit, budget_field=field,
-                             **common)
+    request = GenerationRequest(messages=turns, max_tokens=older if limit is None else limit, budget_field=field,
+                                logprobs=_chat_logprobs(body), **common)
+    if request.max_tokens is not None and request.min_tokens > request.max_tokens:
+        raise invalid("min_tokens", f"min_tokens ({request.min_tokens}) is above {field} ({request.max_tokens}); "
+                      f"allowed 0..{request.max_tokens}")
+    return request
