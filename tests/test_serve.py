@@ -357,9 +357,9 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
     "top_p above 1": ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
     "top_k negative": ("/v1/completions", {**GOOD, "top_k": -5}, 400, "top_k"),
     "seed not an integer": ("/v1/completions", {**GOOD, "seed": 1.5}, 400, "seed"),
-    "n above 1": ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
-    "logprobs": ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
-    "echo": ("/v1/completions", {**GOOD, "echo": True}, 400, "echo"),
+    "n 0": ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
+    "logprobs above 20": ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    "best_of above 1": ("/v1/completions", {**GOOD, "best_of": 2}, 400, "best_of"),
     "stop of a wrong type": ("/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
     "stream_options without stream": ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400,
                                       "stream_options"),
@@ -371,8 +371,8 @@ BAD_REQUESTS = {  # name: (path, body, status, param)
     "chat content of a wrong type": ("/v1/chat/completions",
                                      {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,
                                      "messages[0].content"),
-    "chat logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                               "logprobs": True}, 400, "logprobs"),
+    "chat logprobs a number": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                        "logprobs": 2}, 400, "logprobs"),
 }
 
 
@@ -395,7 +395,7 @@ def test_auth_routes_and_size_limits(spec):
     big = json.dumps({**GOOD, "prompt": "x" * (2 << 20)}).encode()
     assert error_of(spec.post("/v1/completions", big), 413)["code"] == "request_too_large"
     with pytest.raises(openai.BadRequestError) as caught:  # the client's own exception for a 400
-        client(spec).completions.create(model=MODEL, prompt="x", n=2)
+        client(spec).completions.create(model=MODEL, prompt="x", n=0)
     assert caught.value.body["param"] == "n"
     normal_request_works(spec)
 

@@ -213,3 +213,26 @@ def test_bad_values_get_a_400_naming_the_field(server, path, fields, param, word
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_the_parameter_table_in_the_docs_is_what_the_server_takes():
+    """docs/server.md's table of OpenAI's parameters against protocol.py's fields."""
+    import re
+    from pathlib import Path
+
+    from speculative.entrypoints.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS, UNSUPPORTED
+
+    text = (Path(__file__).parents[1] / "docs" / "server.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text[text.index("## OpenAI's request parameters"):].splitlines()
+            if line.startswith("| `")]
+    assert len(rows) > 8
+    for cells in rows:
+        names = re.findall(r"`(\w+)`", cells[0])
+        verdict = cells[-1].strip()
+        for name in names:
+            if verdict.startswith("served"):
+                assert name in COMPLETION_FIELDS | CHAT_FIELDS and name not in UNSUPPORTED, name
+            elif "unknown field" in verdict:
+                assert name not in COMPLETION_FIELDS | CHAT_FIELDS, name
+            else:
+                assert name in UNSUPPORTED or name == "best_of", name

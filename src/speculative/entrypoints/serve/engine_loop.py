@@ -40,12 +40,16 @@ class Job:
 
     request_ids: list[str]
     prompts: list[list[int]]
-    # One per request: its choices differ in their seeds.
-    params: list[SamplingParams]
+    # One per request (choices differ in their seeds), or one for all.
+    params: list[SamplingParams] | SamplingParams
     stops: tuple[str, ...]
     # Called from the engine thread with each Event for this job; must not block.
     sink: Callable[["Event"], None]
     arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, SamplingParams):
+            self.params = [self.params] * len(self.prompts)
 
 
 @dataclass

@@ -27,11 +27,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable_error"}
 # Fields OpenAI defines that this server takes only at their "off" value.
-UNSUPPORTED = {"best_of": 1, "suffix": None}
+UNSUPPORTED = {"suffix": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
           "stream_options", "user", "return_token_ids", "n", "frequency_penalty", "presence_penalty",
           "repetition_penalty", "logit_bias", "min_tokens", "logprobs", *UNSUPPORTED}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON - {"best_of", "suffix"} | {"messages", "max_completion_tokens", "top_logprobs"}
 # Most choices per prompt (`n`); each is a row of the batch.
 MAX_N = 128
@@ -318,6 +318,10 @@ def parse_completion(body: dict, served: str) -> GenerationRequest:
     for p in prompts:
         if p == "":
             raise invalid("prompt", "prompt is an empty string; give some text")
+    n, best_of = common["n"], body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise invalid("best_of", f"best_of={json.dumps(best_of)} is not supported by this server (it returns every "
+                      f"choice it generates); allowed: n ({n}) or leave it out", "unsupported")
     logprobs, echo = _completion_logprobs(body)
     request = GenerationRequest(prompts=prompts, max_tokens=_integer(body, "max_tokens", 1, 16), logprobs=logprobs,
                                 echo=echo, **common)
