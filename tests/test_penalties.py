@@ -227,9 +227,11 @@ def test_plain_sampling_with_penalties_matches_the_formula(tiny_pair):
 
 @pytest.mark.slow
 def test_the_penalized_g_test_detects_missing_penalties(tiny_pair):
-    """Negative control: plain sampling without the penalties fails the penalized test."""
+    """Negative control: plain sampling with the bias and min_tokens but without the three
+    penalties fails the penalized test."""
     target, _ = tiny_pair
-    counts = plain_draws(target, SamplingParams(LENGTH, temperature=1.0, stop_token_ids=[3]))
+    unpenalized = {**PENALIZED, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    counts = plain_draws(target, SamplingParams(LENGTH, **unpenalized))
     assert g_test_pvalue(counts, exact_penalized_joint(target)) < P_MIN
 
 
