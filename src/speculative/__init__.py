@@ -2,6 +2,7 @@
 
 from . import _aliases
 from .core.config import SpeculativeConfig
+from .core.grammar import Grammar
 from .core.rows import RequestOutput, SamplingParams
 from .core.stats import DecodeStats, RequestStats
 from .core.verify import accept_reject, greedy_verify, rejection_verify
@@ -26,7 +27,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder", "autoregressive_generate", "Engine", "SamplingParams",
-           "RequestOutput", "RequestStats", "build_model", "build_pair", "output_size", "save_model", "load_model",
+           "Grammar", "RequestOutput", "RequestStats", "build_model", "build_pair", "output_size", "save_model", "load_model",
            "load_tokenizer", "LanguageModel", "DraftModelProposer", "NGramProposer", "Proposal", "Proposer",
            "SuffixProposer",
            "DecodeStats", "accept_reject", "greedy_verify", "rejection_verify"]

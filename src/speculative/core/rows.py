@@ -11,6 +11,7 @@ from typing import Hashable
 import torch
 
 from .config import MAX_NEW_TOKENS, at_most
+from .grammar import Grammar
 from .logprobs import MAX_LOGPROBS, TokenLogprob
 from .penalties import Penalties
 from .sampling import GREEDY, MIN_TEMPERATURE, Sampler, make_generators
@@ -65,6 +66,8 @@ class SamplingParams:
     logprobs: int | None = None
     # The prompt's tokens' log-probabilities and this many alternatives (0..20; None: none).
     prompt_logprobs: int | None = None
+    # What the output must match (structured output, core/grammar.py); its end token is a stop token.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not _integer(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -88,6 +91,13 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold token ids (integers >= 0), got {bad[0]!r}")
             stop = tuple(int(t) for t in stop)
         self._check_logit_changes()
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise ValueError(f"grammar must be None or a speculative Grammar, got {type(self.grammar).__name__}")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a grammar (the grammar decides where the "
+                                 "output ends); leave min_tokens at 0")
+            stop = tuple(dict.fromkeys((*(stop or ()), self.grammar.end_token)))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _integer(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -145,7 +155,7 @@ class SamplingParams:
     def reads_argmax_only(self) -> bool:
         """Greedy with the model's logits as they are: only their argmax is read (a target may
         screen the rest, `models.base.screens_argmax`)."""
-        return self.sampler.greedy and self.penalties is None and self.logprobs is None
+        return self.sampler.greedy and self.penalties is None and self.logprobs is None and self.grammar is None
 
     def choices(self, n: int) -> list["SamplingParams"]:
         """n independent choices of one prompt (OpenAI's `n`): choice i seeded seed + i."""
@@ -198,6 +208,7 @@ class Row:
         self.max_new_tokens = self.params.max_new_tokens  # its token budget
         self.sampler = self.params.sampler
         self.penalties = self.params.penalties
+        self.constraint = None if self.params.grammar is None else self.params.grammar.constraint()
         self.prompt_logprobs: list | None = None  # computed when it first joins, sent with its first output
         self.stop = frozenset(self.params.stop_token_ids or ())
         # A seeded sampled request drafts a fixed K: adaptive K follows timings and the rest
@@ -235,6 +246,8 @@ class Row:
                 self.finish_reason = "stop"
                 break
         self.sequence += tokens
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
         if self.finish_reason is None and self.left == 0:
             self.finish_reason = "length"
         stats = self.stats

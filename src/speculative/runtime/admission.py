@@ -65,6 +65,16 @@ def check_fits(request_id: Hashable, prompt: list[int], params: SamplingParams, 
                              f"{role} model's maximum length of {limit}")
 
 
+def check_grammar(grammar, target, trees: bool) -> None:
+    """A grammar runs with chain drafts, over the target's vocabulary."""
+    if trees:
+        raise ValueError("a grammar (structured output) runs with chain drafts: this engine drafts token trees "
+                         "(tree_top_k > 1); use tree_top_k 1")
+    if grammar.tokenizer.vocab_size != target.vocab_size:
+        raise ValueError(f"the grammar was built for a vocabulary of {grammar.tokenizer.vocab_size} tokens, the "
+                         f"target has {target.vocab_size}")
+
+
 def check_can_join_running(target, draft) -> None:
     """A request that joins a running batch needs `add_rows` on both models (optional in the
     model protocol: a model without it serves only the batch it started with)."""

@@ -126,7 +126,9 @@ def autoregressive_generate(model, prompt_ids, max_new_tokens, config: Speculati
     check_model(model, "model")
     prompts, batched = normalize_prompts(prompt_ids)
     budgets = normalize_max_new(max_new_tokens, len(prompts))
+    check_token_range(prompts, model.vocab_size)
     eos = tuple(sorted(check_eos(eos_token_id, model.vocab_size)))
+    check_length(prompts, budgets, model, "target")  # checked in the decoder's order, seeds last
     temperature = config.target_temperature if config.sampling else 0.0
     params = [SamplingParams(budget, temperature, config.top_k, config.top_p, seed, eos)
               for budget, seed in zip(budgets, row_seeds(config, len(prompts), seeds))]

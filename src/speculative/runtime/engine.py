@@ -72,8 +72,8 @@ from ..policy.adaptive import AdaptivePolicy, FixedPolicy
 from ..policy.costs import cost_book
 from ..proposers import as_proposer, default_config
 from ..proposers.base import branches, reads_features
-from .admission import (check_batch_size, check_can_join_running, check_compatible, check_fits, check_params,
-                        check_request_id, refill_order)
+from .admission import (check_batch_size, check_can_join_running, check_compatible, check_fits, check_grammar,
+                        check_params, check_request_id, refill_order)
 from .phases import LEARNING, ChainPhases, TreePhases
 
 # Finished requests whose stats `request_stats` still answers for.
@@ -183,6 +183,8 @@ class Engine:
         else:
             check_request_id(request_id, self._live)
         check_fits(request_id, prompt, params, self.target, self.proposer.model)
+        if params.grammar is not None:
+            check_grammar(params.grammar, self.target, self.trees)
         if self.state is not None or len(self.waiting) >= self.max_batch_size:  # it will join a running batch
             check_can_join_running(self.target, self.proposer.model)
         draft_sampler = GREEDY if params.sampler.greedy else Sampler(

@@ -25,7 +25,7 @@ from ..core.verify import tree_verify_rows, verify_rows
 from ..policy.costs import measure
 from ..policy.tree_budget import LOOKUP, MODEL
 from ..proposers import Proposal, merge_drafts
-from .request_logits import kept_logprobs, penalize_rows
+from .request_logits import constrain_rows, cut_to_grammar, forced_drafts, kept_logprobs, penalize_rows
 
 # Guards what engines learn together: shared policies, cost books, a decoder's totals.
 LEARNING = threading.Lock()
@@ -142,6 +142,7 @@ class ChainPhases(Phases):
                                proposer.unread(sequences) if has_model else 0)
         lookup = [d[:plan.k] if plan.takes_lookup(i, bool(d), p) else None
                   for i, (d, p) in enumerate(zip(lookups, preferred))]
+        lookup = [forced or d for forced, d in zip(forced_drafts(rows, max_drafts), lookup)]
         num_draft_tokens = engine.config.num_draft_tokens
         limits = [0 if d is not None or not plan.use_model else min(plan.k, most, num_draft_tokens)
                   for d, most in zip(lookup, max_drafts)]
@@ -153,7 +154,10 @@ class ChainPhases(Phases):
             drafted = proposer.propose(sequences, limits, plan.min_confidence)
             draft_seconds = engine.clock() - caught_up
             stats.draft_forward_seconds += engine.clock() - started
-        proposal = cut(merge_drafts(lookup, drafted, engine.target.device))
+        proposal = merge_drafts(lookup, drafted, engine.target.device)
+        cut_to_grammar(rows, proposal.tokens.tolist(), proposal.lengths,
+                       [d is not None or row.draft_sampler.greedy for d, row in zip(lookup, rows)])
+        proposal = cut(proposal)
         stats.draft_seconds += engine.clock() - started
         return Drafts(policy, max_drafts, limits, draft_seconds, proposal=proposal, preferred=preferred)
 
@@ -169,6 +173,7 @@ class ChainPhases(Phases):
         check_finite(logits, "target", [1 + n for n in proposal.lengths])
         logits, drafted = logits.float(), proposal.tokens.tolist()
         penalize_rows(rows, logits, lambda b: chain_contexts(drafted[b], proposal.lengths[b] + 1))
+        constrain_rows(rows, logits, [d[:n] for d, n in zip(drafted, proposal.lengths)])
         accepted, extra = verify_rows(proposal.tokens, proposal.lengths, proposal.probs, logits,
                                       [row.sampler for row in rows], [row.target_generator for row in rows])
         logprobs = kept_logprobs(rows, logits, [list(range(n + 1)) for n in accepted],

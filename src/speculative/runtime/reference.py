@@ -1,7 +1,7 @@
 """The plain reference for requests: one target forward per token, no drafting.
 
 Every request setting the engine serves (temperature, top-k, top-p, seed, stop tokens,
-penalties, logit bias, min_tokens, logprobs, prompt logprobs) is applied here the plain
+penalties, logit bias, min_tokens, grammars, logprobs, prompt logprobs) is applied here the plain
 way, by the same functions, so that every fast path can be compared with it token for
 token (greedy), in distribution (sampled), and number for number (log-probabilities).
 """
@@ -41,6 +41,7 @@ def plain_generate(model, prompts: list[list[int]], params: list[SamplingParams]
     samplers = [p.sampler for p in params]
     generators = [None if s.greedy else make_generators([p.seed], model.device)[0] for s, p in zip(samplers, params)]
     outputs = [PlainOutput(logprobs=None if p.logprobs is None else []) for p in params]
+    constraints = [None if p.grammar is None else p.grammar.constraint() for p in params]
     with torch.inference_mode():
         wanted = any(p.prompt_logprobs is not None for p in params)
         read = [] if wanted else None
@@ -67,9 +68,13 @@ def plain_generate(model, prompts: list[list[int]], params: list[SamplingParams]
                 penalties = params[row].penalties
                 if penalties is not None:
                     penalties.apply(logits[i:i + 1], prompts[row], outputs[row].token_ids, [[]])
+                if constraints[row] is not None:
+                    constraints[row].mask(logits[i:i + 1], [])
             last = choose(logits, [samplers[r] for r in active], [generators[r] for r in active])
             for i, (row, token) in enumerate(zip(active, last)):
                 outputs[row].token_ids.append(token)
+                if constraints[row] is not None:
+                    constraints[row].advance([token])
                 if params[row].logprobs is not None:
                     outputs[row].logprobs += token_logprobs(logits[i:i + 1], [token], samplers[row],
                                                             params[row].logprobs)

@@ -1,5 +1,5 @@
 """What a verify step does with the target's logits for requests that change or read them:
-penalties and logit bias before the acceptance rule, log-probabilities after it."""
+penalties, logit bias and grammars before the acceptance rule, log-probabilities after it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,30 @@ def penalize_rows(rows: list[Row], logits: torch.Tensor, contexts) -> None:
         if row.penalties is not None:
             extra = contexts(b)
             row.penalties.apply(logits[b, :len(extra)], row.sequence[:row.prompt_tokens], row.output, extra)
+
+
+def constrain_rows(rows: list[Row], logits: torch.Tensor, drafted: list[list[int]]) -> None:
+    """Each row with a grammar: tokens it forbids get -inf at the row's verified positions of
+    logits (B, T, V), position j following drafted[b][:j] (chains)."""
+    for b, row in enumerate(rows):
+        if row.constraint is not None:
+            row.constraint.mask(logits[b, :len(drafted[b]) + 1], drafted[b])
+
+
+def forced_drafts(rows: list[Row], max_drafts: list[int]) -> list[list[int] | None]:
+    """Per row with a grammar, the tokens it forces from here (None: none): a draft that costs
+    no model forward."""
+    return [(row.constraint.forced()[:most] or None) if row.constraint is not None and most else None
+            for row, most in zip(rows, max_drafts)]
+
+
+def cut_to_grammar(rows: list[Row], tokens: list[list[int]], lengths: list[int], certain: list[bool]) -> None:
+    """Cut each grammar row's draft before its first token the grammar refuses, in place: that
+    token could never be accepted. Only where the draft was certain (greedy, lookup or forced),
+    since cutting a sampled draft would change what the acceptance rule gives."""
+    for i, row in enumerate(rows):
+        if row.constraint is not None and certain[i] and lengths[i]:
+            lengths[i] = row.constraint.valid_prefix(tokens[i][:lengths[i]])
 
 
 def kept_logprobs(rows: list[Row], logits: torch.Tensor, positions: list[list[int]],
