@@ -8,6 +8,8 @@ this process, with the same settings: tokens exactly, log-probabilities to TOLER
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -236,3 +238,47 @@ def test_the_parameter_table_in_the_docs_is_what_the_server_takes():
                 assert name not in COMPLETION_FIELDS | CHAT_FIELDS, name
             else:
                 assert name in UNSUPPORTED or name == "best_of", name
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
+          "properties": {"name": {"type": "string", "maxLength": 10}, "size": {"enum": ["small", "large"]}}}
+
+
+def test_response_format_json_schema_is_constrained_plain_decoding(client, target, tokenizer):
+    """Greedy structured output: the tokens of constrained plain decoding, valid JSON of the schema."""
+    pytest.importorskip("llguidance")
+    from speculative import Grammar
+
+    ids = tokenizer.encode(PROMPT)
+    response_format = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                         extra_body={"return_token_ids": True, "response_format": response_format})
+    choice = response.choices[0]
+    grammar = Grammar.json_schema(SCHEMA, tokenizer.grammar_tokenizer(target.vocab_size))
+    reference = plain_generate(target, [ids], [SamplingParams(40, stop_token_ids=[EOS], grammar=grammar)])[0]
+    assert choice.model_extra["token_ids"] == reference.token_ids
+    assert choice.finish_reason == "stop"
+    value = json.loads(choice.text)
+    assert set(value) == {"name", "size"} and value["size"] in ("small", "large") and len(value["name"]) <= 10
+    loose = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a JSON object"}],
+                                           max_tokens=30, temperature=0, response_format={"type": "json_object"})
+    if loose.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(loose.choices[0].message.content), dict)
+    else:  # the budget ended it: what it wrote is the start of a JSON object
+        assert loose.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("response_format, message", [
+    ({"type": "xml"}, "type is text, json_object or json_schema"),
+    ({"type": "json_schema"}, "json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "name is missing"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 3}}},
+     "cannot be used"),
+    ({"type": "json_object", "schema": {}}, "takes no field 'schema'"),
+])
+def test_a_bad_response_format_is_a_400_that_says_why(client, response_format, message):
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                  extra_body={"response_format": response_format})
+    assert message in caught.value.body["message"] and caught.value.body["param"] == "response_format"

@@ -65,6 +65,16 @@ class TextTokenizer:
     def vocab(self) -> dict[str, int]:
         return self.backend.get_vocab()
 
+    def grammar_tokenizer(self, vocab_size: int):
+        """This tokenizer as grammars see it (core/grammar.py), for a model of `vocab_size`
+        tokens; its first end token ends a grammar's output."""
+        from ..core.grammar import GrammarTokenizer
+
+        if not self.eos_token_ids:
+            raise ValueError(f"tokenizer {self.name} has no end token, which structured output needs")
+        backend = self.backend.backend_tokenizer if self.is_hf else self.backend
+        return GrammarTokenizer.cached(backend.to_str(), vocab_size, self.eos_token_ids[0])
+
     def has_chat_template(self) -> bool:
         return self.chat_template is not None or (self.is_hf and bool(getattr(self.backend, "chat_template", None)))
 
@@ -74,10 +84,17 @@ class TextTokenizer:
             raise ValueError(f"tokenizer {self.name} has no chat template; drop --chat to use the text as it is")
         return self.chat_messages([{"role": "user", "content": text}])
 
-    def chat_messages(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
-        """Chat turns ({"role", "content"}) through the chat template (`chat_template` when
-        set, else the tokenizer's own), ending where the assistant's answer begins
-        (generation_prompt=False: where the last turn ends, as training text)."""
+    def template_source(self) -> str:
+        """The chat template's text ("" without one)."""
+        return self.chat_template or (getattr(self.backend, "chat_template", None) if self.is_hf else None) or ""
+
+    def chat_messages(self, messages: list[dict], generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Chat turns ({"role", "content"}; an assistant's earlier `tool_calls`, a tool turn's
+        `tool_call_id`) through the chat template (`chat_template` when set, else the
+        tokenizer's own), ending where the assistant's answer begins (generation_prompt=False:
+        where the last turn ends, as training text). `tools`: OpenAI's tool objects, which the
+        template describes to the model."""
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
@@ -86,10 +103,12 @@ class TextTokenizer:
         if not self.has_chat_template():
             raise ValueError(f"tokenizer {self.name} has no chat template; give the text as a prompt instead "
                              "(drop --chat, or \"messages\" for \"prompt\")")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        messages = [{key: m[key] for key in ("role", "content", "tool_calls", "tool_call_id") if key in m}
+                    for m in messages]
+        extra = {} if tools is None else {"tools": tools}
         if self.is_hf:
             ids = self.backend.apply_chat_template(messages, chat_template=self.chat_template,
-                                                   add_generation_prompt=generation_prompt, tokenize=True)
+                                                   add_generation_prompt=generation_prompt, tokenize=True, **extra)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders templates
@@ -100,7 +119,8 @@ class TextTokenizer:
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = raise_exception
         template = environment.from_string(self.chat_template)
-        text = template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special_tokens)
+        text = template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special_tokens,
+                               **extra)
         return self.backend.encode(text, add_special_tokens=False).ids  # the template writes them itself
 
 

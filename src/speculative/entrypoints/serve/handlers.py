@@ -15,12 +15,14 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ...core.grammar import Grammar
 from ...core.rows import SamplingParams
 from .engine_loop import EngineLoop, Event, Job
 from .http import authorize, read_body
 from .logprob_format import TokenText
 from .protocol import APIError, GenerationRequest, invalid, parse_chat, parse_completion
 from .reply import Reply, sse
+from .tools import OPEN as TOOL_OPEN
 
 # How often a non-streaming handler checks that its client is still there.
 DISCONNECT_POLL = 0.5
@@ -33,6 +35,7 @@ class Routes:
         self.loop, self.tokenizer, self.settings = loop, tokenizer, settings
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
+        self._grammar_tokenizer = None  # built at the first structured request (seconds)
 
     async def health(self):
         loop = self.loop
@@ -79,8 +82,10 @@ class Routes:
             raise APIError(413, f"n is {req.n}; this server takes at most {self.loop.capacity} rows at once "
                            "(--max-batch-size plus --max-queued)", "n", "too_many_prompts")
         self.loop.check_room(req.n)
+        if req.tools is not None:
+            check_takes_tools(self.tokenizer.template_source())
         try:
-            prompt = self.tokenizer.chat_messages(req.messages)
+            prompt = self.tokenizer.chat_messages(req.messages, tools=req.tools and req.tools.template_tools())
         except ValueError as error:
             code = "no_chat_template" if "no chat template" in str(error) else None
             raise invalid("messages", str(error), code) from None
@@ -92,7 +97,12 @@ class Routes:
     async def generate(self, request: Request, req: GenerationRequest, prompts: list[list[int]], prefix: str,
                        kind: str):
         """A checked request to the engine, and its answer: whole, or streamed."""
-        params = self.sampling(req, prompts, kind).choices(req.n)
+        spec = req.response_format
+        if req.tools is not None and req.tools.constrained:
+            spec = req.tools.grammar(self.special_id, req.parallel_tool_calls)
+        grammar = await self.grammar(spec, "tool_choice" if spec is not req.response_format else
+                                     "response_format") if spec else None
+        params = self.sampling(req, prompts, kind, grammar).choices(req.n)
         request.scope.setdefault("state", {})["usage"] = None
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         rows = [prompt for prompt in prompts for _ in range(req.n)]  # choice index: prompt * n + i
@@ -112,7 +122,28 @@ class Routes:
                                      headers={"Cache-Control": "no-cache"})
         return await self.collect(request, reply, events, ids)
 
-    def sampling(self, req: GenerationRequest, prompts: list[list[int]], kind: str) -> SamplingParams:
+    async def grammar(self, spec: tuple[str, str], param: str) -> Grammar:
+        """A grammar (kind, text) compiled for this tokenizer, off the event loop; `param`
+        names the field it came from, for errors."""
+        def build() -> Grammar:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = self.tokenizer.grammar_tokenizer(
+                    self.settings.vocab_size or len(self.tokenizer))
+            return Grammar(*spec, self._grammar_tokenizer)
+
+        try:
+            return await asyncio.to_thread(build)
+        except ValueError as error:
+            raise invalid(param, str(error)) from None
+        except ImportError as error:
+            raise APIError(400, f"{param} needs llguidance on the server: {error}", param, "unsupported") from None
+
+    def special_id(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer holds it as one token."""
+        return self.tokenizer.vocab().get(text)
+
+    def sampling(self, req: GenerationRequest, prompts: list[list[int]], kind: str,
+                 grammar: Grammar | None = None) -> SamplingParams:
         """The request's budget (a chat without one: what the context leaves) and sampling,
         checked against the context."""
         context = self.settings.context_length
@@ -129,7 +160,7 @@ class Routes:
                                   frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                   repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
                                   min_tokens=req.min_tokens, logprobs=req.logprobs,
-                                  prompt_logprobs=req.logprobs if req.echo else None)
+                                  prompt_logprobs=req.logprobs if req.echo else None, grammar=grammar)
         except ValueError as error:
             raise invalid(None, str(error)) from None
 
@@ -167,6 +198,8 @@ class Routes:
                     yield sse(event.error.body())
                     break
                 reply.add(event)
+                if reply.holds_text and event.finish_reason is None:
+                    continue  # tools: the answer comes whole with its finish, its tool calls read
                 if (event.text or event.finish_reason or reply.echo_pending(event.index)
                         or (event.token_ids and (reply.req.return_token_ids or reply.req.logprobs is not None))):
                     yield sse(reply.delta(event))
@@ -176,6 +209,13 @@ class Routes:
         finally:
             if not reply.complete:
                 self.loop.abort(ids)
+
+
+def check_takes_tools(template: str) -> None:
+    """Tools need a chat template that describes them in the format tools.py reads."""
+    if "tools" not in template or TOOL_OPEN not in template:
+        raise invalid("tools", f"this model's chat template does not take tools in the {TOOL_OPEN} format this "
+                      "server reads (Qwen2.5's and Hermes'); leave tools out", "unsupported")
 
 
 def check_lengths(req: GenerationRequest, prompts: list[list[int]], context: int | None, param: str) -> None:

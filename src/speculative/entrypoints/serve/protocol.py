@@ -30,14 +30,15 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 UNSUPPORTED = {"suffix": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
           "stream_options", "user", "return_token_ids", "n", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "logit_bias", "min_tokens", "logprobs", *UNSUPPORTED}
+          "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "response_format", *UNSUPPORTED}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = COMMON - {"best_of", "suffix"} | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON - {"best_of", "suffix"} | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                 "tool_choice", "parallel_tool_calls"}
 # Most choices per prompt (`n`); each is a row of the batch.
 MAX_N = 128
 # Most alternatives per token: OpenAI's top_logprobs limit (completions' logprobs too, as vLLM).
 MAX_LOGPROBS = 20
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 # Deepest nesting of arrays and objects a body may have (OpenAI's bodies need 4).
 MAX_DEPTH = 32
@@ -91,6 +92,11 @@ class GenerationRequest:
     # Alternatives per returned token (None: no logprobs); completions' `echo` returns the prompt too.
     logprobs: int | None = None
     echo: bool = False
+    # What the output must match: (grammar kind, text) for core/grammar.py (None: anything).
+    response_format: tuple[str, str] | None = None
+    # Chat's tools and tool_choice (tools.Tools; None: none), and whether several calls may come.
+    tools: object = None
+    parallel_tool_calls: bool = True
 
 
 def _no_constant(name: str):
@@ -244,7 +250,53 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
                 logit_bias=_logit_bias(body.get("logit_bias")), min_tokens=_integer(body, "min_tokens", 0, 0),
                 top_p=None if top_p == 1 else top_p, top_k=top_k if top_k and top_k > 0 else None,
                 seed=seed, stop=_stops(body.get("stop")), stop_token_ids=_stop_ids(body.get("stop_token_ids")),
-                stream=stream, include_usage=include_usage, return_token_ids=_flag(body, "return_token_ids"))
+                stream=stream, include_usage=include_usage, return_token_ids=_flag(body, "return_token_ids"),
+                response_format=_response_format(body.get("response_format")))
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant turn's earlier tool calls, as chat templates take them (arguments as objects)."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise invalid(where, f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}, got "
+                      f"{json.dumps(calls)[:100]}")
+    out = []
+    for call in calls:
+        arguments = call["function"].get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise invalid(where, f"{where}: arguments must be a JSON object (or its text), got "
+                              f"{arguments[:100]!r}") from None
+        out.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
+    return out
+
+
+def _response_format(value) -> tuple[str, str] | None:
+    """OpenAI's response_format: text (anything), json_object (any JSON object) or
+    json_schema (JSON matching {"json_schema": {"name", "schema", "strict"}})."""
+    if value is None:
+        return None
+    kinds = "text, json_object or json_schema"
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid("response_format", f"response_format must be an object whose type is {kinds}, got "
+                      f"{json.dumps(value)[:100]}")
+    kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"})
+    if extra:
+        raise invalid("response_format", f"response_format of type {kind} takes no field {extra[0]!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json_schema", json.dumps({"type": "object"}))
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise invalid("response_format", "response_format.json_schema must be an object {name, schema, strict, "
+                      f"description}} whose schema is a JSON schema object, got {json.dumps(spec)[:100]}")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise invalid("response_format", "response_format.json_schema.name is missing: give the schema a name")
+    return ("json_schema", json.dumps(spec.get("schema", {"type": "object"})))
 
 
 def _logit_bias(value) -> dict[int, float] | None:
@@ -351,18 +403,32 @@ def parse_chat(body: dict, served: str) -> GenerationRequest:
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise invalid(f"{where}.content", f"{where}.content must be a string or a list of text parts, got "
                           f"{json.dumps(content)[:100]}")
-        turns.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+        turn = {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
+        if calls is not None:
+            turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+            turn["tool_call_id"] = message["tool_call_id"]
+        turns.append(turn)
     limit = _integer(body, "max_completion_tokens", 1)
     older = _integer(body, "max_tokens", 1)
     if limit is not None and older is not None and limit != older:
         raise invalid("max_tokens", f"max_tokens ({older}) and max_completion_tokens ({limit}) disagree; give "
                       "max_completion_tokens alone (max_tokens is its older name)")
     field = "max_tokens" if limit is None and older is not None else "max_completion_tokens"
+    from .tools import parse_tools  # tools.py words its errors with this module's `invalid`
+
     request = GenerationRequest(messages=turns, max_tokens=older if limit is None else limit, budget_field=field,
-                                logprobs=_chat_logprobs(body), **common)
+                                logprobs=_chat_logprobs(body), tools=parse_tools(body),
+                                parallel_tool_calls=body.get("parallel_tool_calls") is not False, **common)
+    if request.tools is not None and request.tools.constrained and request.response_format is not None:
+        raise invalid("response_format", "response_format cannot be combined with tool_choice "
+                      f"{json.dumps(body.get('tool_choice'))}: the answer is then tool calls")
     if request.max_tokens is not None and request.min_tokens > request.max_tokens:
         raise invalid("min_tokens", f"min_tokens ({request.min_tokens}) is above {field} ({request.max_tokens}); "
                       f"allowed 0..{request.max_tokens}")

@@ -9,6 +9,7 @@ from ...core.stats import RequestStats
 from .engine_loop import Event
 from .logprob_format import TokenText, chat_logprobs, completion_logprobs
 from .protocol import GenerationRequest
+from .tools import split_calls
 
 
 def sse(payload: dict) -> str:
@@ -83,10 +84,29 @@ class Reply:
         self.offsets[i] += sum(map(len, shaped["tokens"]))
         return shaped
 
+    @property
+    def holds_text(self) -> bool:
+        """With tools, a stream's text is held to its end, where its tool calls are read."""
+        return self.req.tools is not None
+
+    def message(self, i: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """Choice i's chat message (its tool calls read out of the text, with tools) and finish reason."""
+        if self.req.tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = split_calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if finish == "stop" \
+            else finish
+
     def _choice(self, i: int, text: str, tokens: list[int], finish: str | None, delta: bool,
                 logprobs: dict | None) -> dict:
         if self.chat:
-            body = {"delta": text} if delta else {"message": {"role": "assistant", "content": text}}
+            if delta:
+                body = {"delta": text}
+            else:
+                message, finish = self.message(i, text, finish)
+                body = {"message": message}
             choice = {"index": i, **body, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -117,9 +137,16 @@ class Reply:
             self.echoed[i] = True
             text = self.echoes[i] + text
             entries = self.logprobs[i][:len(self.logprobs[i]) - len(entries)] + entries
-        text = {"content": text} if self.chat else text
+        finish = event.finish_reason
+        if self.chat and self.holds_text:  # the whole answer comes with its finish, tool calls read
+            text, finish = self.message(i, self.texts[i], finish) if finish is not None else ({"content": ""}, None)
+            if "tool_calls" in text:
+                text["tool_calls"] = [{"index": n, **call} for n, call in enumerate(text["tool_calls"])]
+            text.pop("role", None)
+        elif self.chat:
+            text = {"content": text}
         logprobs = self._logprobs(i, entries)
-        out = self._object([self._choice(i, text, event.token_ids, event.finish_reason, True, logprobs)], True)
+        out = self._object([self._choice(i, text, event.token_ids, finish, True, logprobs)], True)
         if event.finish_reason is not None:
             out["speculative"] = self.figures([self.stats[event.index]])
         return out
