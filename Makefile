@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	index="$(TORCH_INDEX)"; $(PIP) torch==$(TORCH_VERSION) $${index:+--index-url "$$index"}
-	$(PIP) -e '.[hf,gemma,bench,test,serve,ray,sharegpt]'
+	$(PIP) -e '.[hf,gemma,bench,test,serve,ray,sharegpt,clients]'
 	touch $@
 
 run: setup

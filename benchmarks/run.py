@@ -15,6 +15,7 @@
     python benchmarks/run.py trees-gemma-float32  # trees-gemma in float32 (auto picks bfloat16 on CPUs with it)
     python benchmarks/run.py trees-tau  # model trees' tau against chains of the same width, 40 prompts, untimed
     python benchmarks/run.py llama-cpp  # against llama.cpp on Qwen 1.5B's GGUF (llama-cpp-gemma: Gemma 3 270M)
+    python benchmarks/run.py structured  # JSON extraction under a schema, against llama.cpp's grammar (structured.py)
     python benchmarks/run.py int8-quality  # perplexity and agreement of float32, bfloat16 and int8 (an hour)
 
 Threads: 2, or SPECULATIVE_BENCH_THREADS. On a machine shared with other busy processes,
@@ -49,6 +50,7 @@ import vs_llama_cpp
 import quality
 import qwen
 import serve_bench
+import structured
 import trees
 
 HERE = Path(__file__).parent
@@ -558,6 +560,8 @@ SECTIONS = {"default": section_default, "llama": section_llama, "gemma": section
             "trees-tau": lambda: trees.tau_section(save),
             "llama-cpp": lambda: vs_llama_cpp.qwen_section(save_per_machine, qwen_workloads),
             "llama-cpp-gemma": lambda: vs_llama_cpp.gemma_section(save_per_machine, gemma_workloads),
+            "structured": lambda: structured.section(save_per_machine),
+            "structured-smoke": lambda: structured.section(save_per_machine, runs=1, limit=2),
             "int8-quality": lambda: quality.section(save_per_machine),
             "lookup-transformers": lambda: lookup_vs_transformers.section(save_per_machine)}
 TABLES = ("default", "default-bfloat16", "heads", "heads-128", "heads-gemma-chat", "heads-gemma-chat-float32",

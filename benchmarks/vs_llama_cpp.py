@@ -94,12 +94,14 @@ def timed(stream) -> tuple[list[int], float, float]:
     return out, first - start, time.perf_counter() - start
 
 
-def run_rounds(methods: dict, prompts: list[list[int]], eos: set[int], runs: int, log=print) -> dict:
-    """Every method on every prompt, `runs` interleaved rounds after a warm-up."""
+def run_rounds(methods: dict, prompts: list[list[int]], eos: set[int], runs: int, log=print,
+               rounds: list | None = None) -> dict:
+    """Every method on every prompt, `runs` interleaved rounds after a warm-up (each round's
+    record appended to `rounds` when given)."""
     names = list(methods)
     for name in names:  # warm-up (and the adaptive policy's first costs)
         methods[name](prompts[0], 8, eos)
-    rounds = []
+    rounds = [] if rounds is None else rounds
     for number in range(runs):
         record = {name: [] for name in names}
         for index, ids in enumerate(prompts):

@@ -133,12 +133,15 @@ class Constraint:
         """Forbid what the grammar forbids at each position of logits (T, V), in place: position
         j follows drafted[:j]. Positions after the first drafted token the grammar refuses are
         left as they are: acceptance stops at that token (its probability is 0)."""
-        valid = min(self.valid_prefix(drafted), logits.shape[0] - 1)
-        for j in range(valid + 1):
-            if j:
-                self.matcher.consume_token(drafted[j - 1])
-            logits[j].masked_fill_(~self.allowed(logits.shape[-1], logits.device), float("-inf"))
-        self.matcher.rollback(valid)
+        valid, consumed = min(self.valid_prefix(drafted), logits.shape[0] - 1), 0
+        try:
+            for j in range(valid + 1):
+                if j:
+                    self.matcher.consume_token(drafted[j - 1])
+                    consumed += 1
+                logits[j].masked_fill_(~self.allowed(logits.shape[-1], logits.device), float("-inf"))
+        finally:  # the state stays the committed tokens', whatever interrupts this
+            self.matcher.rollback(consumed)
         self._check()
 
     def advance(self, tokens: list[int]) -> None:

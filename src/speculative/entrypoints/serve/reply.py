@@ -137,8 +137,9 @@ class Reply:
             self.echoed[i] = True
             text = self.echoes[i] + text
             entries = self.logprobs[i][:len(self.logprobs[i]) - len(entries)] + entries
-        finish = event.finish_reason
+        finish, tokens = event.finish_reason, event.token_ids
         if self.chat and self.holds_text:  # the whole answer comes with its finish, tool calls read
+            tokens = self.tokens[i]
             text, finish = self.message(i, self.texts[i], finish) if finish is not None else ({"content": ""}, None)
             if "tool_calls" in text:
                 text["tool_calls"] = [{"index": n, **call} for n, call in enumerate(text["tool_calls"])]
@@ -146,7 +147,7 @@ class Reply:
         elif self.chat:
             text = {"content": text}
         logprobs = self._logprobs(i, entries)
-        out = self._object([self._choice(i, text, event.token_ids, finish, True, logprobs)], True)
+        out = self._object([self._choice(i, text, tokens, finish, True, logprobs)], True)
         if event.finish_reason is not None:
             out["speculative"] = self.figures([self.stats[event.index]])
         return out
