@@ -5,6 +5,7 @@ bind_tools) and litellm (logprobs, n, penalties, response_format, tools), as the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -14,8 +15,10 @@ from tests.test_serve_tools import MESSAGES, MODEL, TOOLS_TEMPLATE, WEATHER
 
 pytestmark = [pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
                                  reason="the shipped models are not in this checkout"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]  # litellm's pydantic models at import
 pytest.importorskip("llguidance")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm's own table, not a download at import
 
 ITEM = {"title": "Item", "description": "A thing and its size.", "type": "object", "additionalProperties": False,
         "required": ["name", "size"],

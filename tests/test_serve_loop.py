@@ -13,7 +13,7 @@ import pytest
 from speculative import Engine, SamplingParams, autoregressive_generate
 from speculative.entrypoints.serve.engine_loop import EngineLoop, Job
 from speculative.entrypoints.serve.metrics import Metrics
-from speculative.entrypoints.serve.protocol import APIError
+from speculative.entrypoints.serve.errors import APIError
 from tests.helpers import tiny
 
 WAIT = 300  # seconds for any one event: a guard against a hang, not a timing

@@ -70,7 +70,8 @@ def reference():
         spec = Tools([t["function"] for t in tools], choice)
         grammar = Grammar(*spec.grammar(tokenizer.vocab().get, parallel), grammar_tokenizer)
         ids = tokenizer.chat_messages(MESSAGES, tools=tools)
-        return plain_generate(target, [ids], [SamplingParams(BUDGET, stop_token_ids=[EOS], grammar=grammar)])[0].token_ids
+        params = SamplingParams(BUDGET, stop_token_ids=[EOS], grammar=grammar)
+        return plain_generate(target, [ids], [params])[0].token_ids
     return run
 
 

@@ -28,7 +28,7 @@ from ...core.rows import SamplingParams
 from ...core.stats import RequestStats
 from ...runtime.engine import Engine
 from .metrics import Metrics
-from .protocol import APIError
+from .errors import APIError
 from .text_stream import TextStream
 
 log = logging.getLogger("speculative.serve")

@@ -20,7 +20,8 @@ from ...core.rows import SamplingParams
 from .engine_loop import EngineLoop, Event, Job
 from .http import authorize, read_body
 from .logprob_format import TokenText
-from .protocol import APIError, GenerationRequest, invalid, parse_chat, parse_completion
+from .errors import APIError, invalid
+from .protocol import GenerationRequest, parse_chat, parse_completion
 from .reply import Reply, sse
 from .tools import OPEN as TOOL_OPEN
 

@@ -12,7 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .protocol import APIError, invalid, parse_json
+from .errors import APIError, invalid
+from .protocol import parse_json
 
 access_log = logging.getLogger("speculative.serve.access")
 

@@ -3,9 +3,9 @@
 A body is parsed from JSON by hand rather than by pydantic models: every refusal is an
 `APIError` with OpenAI's status, type and `param` (the field at fault), and a message that
 says what was wrong and what is allowed. Fields OpenAI defines but this server does not
-implement (n > 1, echo, logprobs, penalties, ...) are refused when they ask for something,
-never silently ignored (their "off" value in its own JSON type: `n: true` and `echo: 0` are
-refused); unknown fields are refused as OpenAI refuses them. A body that is not plain JSON
+implement (UNSUPPORTED: `suffix`) are refused when they ask for something, never silently
+ignored; unknown fields are refused as OpenAI refuses them. Tools and response_format are
+parsed in tools.py and response_format.py. A body that is not plain JSON
 (NaN, numbers of thousands of digits, nesting deeper than MAX_DEPTH, strings that are not
 Unicode text, such as a lone surrogate "\\ud800") is refused as a whole, with 400.
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from ...core.config import MAX_NEW_TOKENS
 from ...core.inputs import check_request_seed
+from .errors import invalid
+from .response_format import parse_response_format
+from .tools import earlier_calls, parse_tools
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable_error"}
 # Fields OpenAI defines that this server takes only at their "off" value.
 UNSUPPORTED = {"suffix": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
@@ -42,22 +42,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 # Deepest nesting of arrays and objects a body may have (OpenAI's bodies need 4).
 MAX_DEPTH = 32
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
-
-
-def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
 
 
 @dataclass
@@ -251,52 +235,7 @@ def _common(body: dict, fields: set[str], served: str) -> dict:
                 top_p=None if top_p == 1 else top_p, top_k=top_k if top_k and top_k > 0 else None,
                 seed=seed, stop=_stops(body.get("stop")), stop_token_ids=_stop_ids(body.get("stop_token_ids")),
                 stream=stream, include_usage=include_usage, return_token_ids=_flag(body, "return_token_ids"),
-                response_format=_response_format(body.get("response_format")))
-
-
-def _tool_calls(calls, where: str) -> list[dict]:
-    """An assistant turn's earlier tool calls, as chat templates take them (arguments as objects)."""
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              and isinstance(c["function"].get("name"), str) for c in calls):
-        raise invalid(where, f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}, got "
-                      f"{json.dumps(calls)[:100]}")
-    out = []
-    for call in calls:
-        arguments = call["function"].get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                raise invalid(where, f"{where}: arguments must be a JSON object (or its text), got "
-                              f"{arguments[:100]!r}") from None
-        out.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
-    return out
-
-
-def _response_format(value) -> tuple[str, str] | None:
-    """OpenAI's response_format: text (anything), json_object (any JSON object) or
-    json_schema (JSON matching {"json_schema": {"name", "schema", "strict"}})."""
-    if value is None:
-        return None
-    kinds = "text, json_object or json_schema"
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise invalid("response_format", f"response_format must be an object whose type is {kinds}, got "
-                      f"{json.dumps(value)[:100]}")
-    kind = value["type"]
-    extra = sorted(set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"})
-    if extra:
-        raise invalid("response_format", f"response_format of type {kind} takes no field {extra[0]!r}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ("json_schema", json.dumps({"type": "object"}))
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise invalid("response_format", "response_format.json_schema must be an object {name, schema, strict, "
-                      f"description}} whose schema is a JSON schema object, got {json.dumps(spec)[:100]}")
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise invalid("response_format", "response_format.json_schema.name is missing: give the schema a name")
-    return ("json_schema", json.dumps(spec.get("schema", {"type": "object"})))
+                response_format=parse_response_format(body.get("response_format")))
 
 
 def _logit_bias(value) -> dict[int, float] | None:
@@ -411,7 +350,7 @@ def parse_chat(body: dict, served: str) -> GenerationRequest:
                           f"{json.dumps(content)[:100]}")
         turn = {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
         if calls is not None:
-            turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+            turn["tool_calls"] = earlier_calls(calls, f"{where}.tool_calls")
         if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
             turn["tool_call_id"] = message["tool_call_id"]
         turns.append(turn)
@@ -421,8 +360,6 @@ def parse_chat(body: dict, served: str) -> GenerationRequest:
         raise invalid("max_tokens", f"max_tokens ({older}) and max_completion_tokens ({limit}) disagree; give "
                       "max_completion_tokens alone (max_tokens is its older name)")
     field = "max_tokens" if limit is None and older is not None else "max_completion_tokens"
-    from .tools import parse_tools  # tools.py words its errors with this module's `invalid`
-
     request = GenerationRequest(messages=turns, max_tokens=older if limit is None else limit, budget_field=field,
                                 logprobs=_chat_logprobs(body), tools=parse_tools(body),
                                 parallel_tool_calls=body.get("parallel_tool_calls") is not False, **common)

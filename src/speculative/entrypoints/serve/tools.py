@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...core.grammar import JSON_STYLE
-from .protocol import invalid
+from .errors import invalid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -118,3 +118,22 @@ def split_calls(text: str) -> tuple[str | None, list[dict]]:
     kept.append(text[last:])
     content = "".join(kept).strip() if calls else text
     return (content or None), calls
+
+
+def earlier_calls(calls, where: str) -> list[dict]:
+    """An assistant turn's earlier tool calls, as chat templates take them (arguments as objects)."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise invalid(where, f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}, got "
+                      f"{json.dumps(calls)[:100]}")
+    out = []
+    for call in calls:
+        arguments = call["function"].get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise invalid(where, f"{where}: arguments must be a JSON object (or its text), got "
+                              f"{arguments[:100]!r}") from None
+        out.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
+    return out
