@@ -44,9 +44,9 @@ test: setup
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # Every test, as CI runs them: the quick run above (the README's command), then the slow
-# tests in one process (Ray clusters, servers and long statistical tests, one at a time).
+# tests (Ray clusters, servers and long statistical tests), a test file per worker at a time.
 test-all: test
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -196,8 +196,11 @@ def vars_of(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
-def plain_draws(target, params: SamplingParams, n=DRAWS) -> torch.Tensor:
-    outs = plain_generate(target, [PROMPT] * n, [SamplingParams(**{**vars_of(params), "seed": s}) for s in range(n)])
+def plain_draws(target, params: SamplingParams, n=DRAWS, chunk=5_000) -> torch.Tensor:
+    """Counts of the first three tokens of n seeded plain decodings, in chunks (memory)."""
+    chunks = [[SamplingParams(**{**vars_of(params), "seed": s}) for s in range(start, min(n, start + chunk))]
+              for start in range(0, n, chunk)]
+    outs = [o for seeded in chunks for o in plain_generate(target, [PROMPT] * len(seeded), seeded)]
     index = torch.tensor([o.token_ids[0] * VOCAB ** 2 + o.token_ids[1] * VOCAB + o.token_ids[2] for o in outs])
     return torch.bincount(index, minlength=VOCAB ** LENGTH)
 
