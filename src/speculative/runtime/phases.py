@@ -155,8 +155,9 @@ class ChainPhases(Phases):
             draft_seconds = engine.clock() - caught_up
             stats.draft_forward_seconds += engine.clock() - started
         proposal = merge_drafts(lookup, drafted, engine.target.device)
-        cut_to_grammar(rows, proposal.tokens.tolist(), proposal.lengths,
-                       [d is not None or row.draft_sampler.greedy for d, row in zip(lookup, rows)])
+        if any(row.constraint is not None for row in rows):
+            cut_to_grammar(rows, proposal.tokens.tolist(), proposal.lengths,
+                           [d is not None or row.draft_sampler.greedy for d, row in zip(lookup, rows)])
         proposal = cut(proposal)
         stats.draft_seconds += engine.clock() - started
         return Drafts(policy, max_drafts, limits, draft_seconds, proposal=proposal, preferred=preferred)
