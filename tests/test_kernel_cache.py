@@ -1,14 +1,17 @@
 """The compiled kernels' cache heals itself (issue 62): a cached library that no longer matches
 the checksum recorded when it was built (truncated, bits flipped) is compiled again, with a
 message, and never loaded (loading it killed every run with SIGBUS or SIGILL and no word); a
-compiler that fails or never finishes is named in the error, not fbgemm."""
+compiler that fails or never finishes is named in the error, not fbgemm; two processes building
+at once compile once, and a build killed midway leaves nothing that loads."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,3 +69,44 @@ def test_a_failing_or_hanging_compiler_is_named_in_the_error(tmp_path):
     bad = python(LOAD, SPECULATIVE_KERNEL_BUILD_TIMEOUT="soon", **env)
     assert "SPECULATIVE_KERNEL_BUILD_TIMEOUT='soon'" in bad.stderr and "above 0" in bad.stderr
     assert not list((tmp_path / "kernels").rglob("*.partial*"))
+
+
+def start(code: str, **env) -> subprocess.Popen:
+    """`python -c code` in a process group of its own (its compiler with it)."""
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "SPECULATIVE_INT8_KERNEL": "compiled", **env})
+
+
+def needs_compiler():
+    if shutil.which(os.environ.get("CXX", "c++")) is None or int8_kernel.compiled_ops() is None:
+        pytest.skip("no C++ compiler here")
+
+
+@pytest.mark.slow  # one real build
+def test_two_processes_building_at_once_both_load_the_library_and_compile_it_once(tmp_path):
+    needs_compiler()
+    env = {"SPECULATIVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    runs = [start(LOAD, **env) for _ in range(2)]
+    done = [run.communicate(timeout=1200) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in done]
+    assert done[0][0] == done[1][0]
+    assert sum(err.count("compiling the int8 kernel") for _, err in done) == 1, [err for _, err in done]
+    assert any("waiting for another process" in err for _, err in done)
+    assert not list((tmp_path / "kernels").rglob("*partial*"))
+
+
+@pytest.mark.slow  # a build killed, then a whole one
+def test_a_build_killed_midway_leaves_nothing_that_loads_and_the_next_run_builds_it(tmp_path):
+    needs_compiler()
+    env = {"SPECULATIVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    killed = start(LOAD, **env)
+    said = next((line for line in killed.stderr if "compiling the int8 kernel" in line), "")
+    assert said, killed.stderr.read()
+    time.sleep(5)  # the compiler is at work
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert not [path for path in (tmp_path / "kernels").rglob("*") if path.suffix in (".so", ".sha256")]
+    after = python(LOAD, **env)
+    assert after.returncode == 0 and "compiling the int8 kernel" in after.stderr, after.stderr
+    assert after.stdout == python(LOAD).stdout  # this machine's own cache
+    assert not list((tmp_path / "kernels").rglob("*partial*"))

@@ -13,9 +13,11 @@ on AMX, AVX512-VNNI, AVX2 and plain C++ (exact int32 sums, then the same float o
 Where it lives: `$SPECULATIVE_KERNEL_CACHE`, else the cache root's `kernels/` folder
 (~/.cache/speculative/kernels), one folder per source, PyTorch and compiler version, with the
 checksum the library had when built (a file that no longer matches it is compiled again, with a
-message); delete it to rebuild. A build that takes more than SPECULATIVE_KERNEL_BUILD_TIMEOUT
-seconds (600) is given up with an error. `SPECULATIVE_INT8_KERNEL=fbgemm` keeps fbgemm; `compiled` makes a failed build
-an error instead of a fallback to fbgemm.
+message); one process builds it while others wait for it, and a cache that cannot be written
+gets a build in a temporary folder, said once; delete it to rebuild. A build that takes more
+than SPECULATIVE_KERNEL_BUILD_TIMEOUT seconds (600) is given up with an error.
+`SPECULATIVE_INT8_KERNEL=fbgemm` keeps fbgemm; `compiled` makes a failed build an error
+instead of a fallback to fbgemm.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from ..core import disk_cache
 from . import isa
 
 log = logging.getLogger("speculative")
@@ -107,34 +111,54 @@ def _build(compiler: str) -> Path:
     """The library for this source, PyTorch and compiler, compiled if not yet cached, or
     compiled again (once, saying so) where the cached file does not match the checksum recorded
     when it was built: a truncated or damaged file would kill the process at load (SIGBUS,
-    SIGILL) with no message, on every run. The library holds every instruction set's code and
-    picks one at run time, so a cache shared between machines of other CPUs is safe."""
+    SIGILL) with no message, on every run. One process builds while the others wait for its
+    result; where the cache cannot be written, it is built in a temporary folder (said once).
+    The library holds every instruction set's code and picks one at run time, so a cache shared
+    between machines of other CPUs is safe."""
     timeout = build_timeout()
-    library, flags = library_path(compiler, timeout), _flags()
-    recorded = library.with_suffix(".sha256")
-    if library.is_file() and recorded.is_file() and recorded.read_text().strip() == file_sha256(library):
+    library = library_path(compiler, timeout)
+    if _whole(library):
         return library
-    if library.exists():
-        print(f"the cached kernel library {library} does not match the checksum recorded when it was built (damaged, "
-              "or built by an older version): compiling it again", file=sys.stderr, flush=True)
-    library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"int8_matmul.{os.getpid()}.partial.so")  # concurrent builds do not collide
+    with disk_cache.lock(library) as unwritable:  # (removes what a killed build left)
+        if unwritable:
+            private = Path(tempfile.mkdtemp(prefix="speculative-kernels-")) / library.name
+            disk_cache.say_once(f"the kernel cache {library.parent} cannot be written ({unwritable.strerror}): "
+                                f"compiling into {private.parent}, again at every start; set "
+                                "SPECULATIVE_KERNEL_CACHE to a writable folder to keep it")
+            _compile(compiler, timeout, private)
+            return private
+        if _whole(library):  # built by another process while this one waited
+            return library
+        if library.exists():
+            disk_cache.say(f"the cached kernel library {library} does not match the checksum recorded when it was "
+                           "built (damaged, or built by an older version): compiling it again")
+        _compile(compiler, timeout, library)
+    return library
+
+
+def _whole(library: Path) -> bool:
+    recorded = library.with_suffix(".sha256")
+    return library.is_file() and recorded.is_file() and recorded.read_text().strip() == file_sha256(library)
+
+
+def _compile(compiler: str, timeout: float, library: Path) -> None:
+    """Compiles into a name of this process's own, then renames: whole or absent, never half-written."""
+    partial = disk_cache.partial(library)
     torch_lib = Path(torch.__file__).parent / "lib"
-    command = [compiler, *flags, *map(str, SOURCES), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
-    print(f"compiling the int8 kernel (once, about a minute; cached in {library.parent})", file=sys.stderr, flush=True)
+    command = [compiler, *_flags(), *map(str, SOURCES), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+    disk_cache.say(f"compiling the int8 kernel (once, about a minute; cached in {library.parent})")
     try:
         done = _run(command, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr}")
-    except BaseException:  # a failure, a timeout or Ctrl-C: nothing half-written is left
+        recorded = library.with_suffix(".sha256")
+        written = disk_cache.partial(library)
+        written.write_text(file_sha256(partial) + "\n")
+        os.replace(partial, library)
+        os.replace(written, recorded)  # after the library: a kill between leaves it unrecorded, so rebuilt
+    except BaseException:  # a failure, a timeout, a disk full or Ctrl-C: nothing half-written is left
         partial.unlink(missing_ok=True)
         raise
-    checksum = file_sha256(partial)
-    os.replace(partial, library)  # whole or absent, never half-written
-    written = recorded.with_name(f"{recorded.name}.{os.getpid()}.partial")
-    written.write_text(checksum + "\n")
-    os.replace(written, recorded)  # after the library: a crash between leaves it unrecorded, so rebuilt
-    return library
 
 
 def library_path(compiler: str, timeout: float = 60) -> Path:
