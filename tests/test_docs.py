@@ -55,7 +55,8 @@ class Block:
 
     @property
     def starts_servers(self) -> bool:
-        return self.language == "bash" and any(line.startswith("speculative serve") for line in commands(self.code))
+        return self.language == "bash" and any(line.startswith("speculative serve") and "--print-config" not in line
+                                               for line in commands(self.code))  # --print-config prints and exits
 
 
 def blocks(page: Path) -> list[Block]:

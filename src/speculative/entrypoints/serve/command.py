@@ -56,8 +56,36 @@ def add_serve(sub) -> None:
     p.add_argument("--no-access-log", action="store_true", help="no log line per request on stderr")
     p.add_argument("--shutdown-grace", type=number(0), default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM before they are aborted (default: %(default)s)")
+    add_ray_options(p)
     EngineArgs.add_to_parser(p, batching=True, threads=True)
     p.set_defaults(run=run_serve)
+
+
+def add_ray_options(p) -> None:
+    """`serve --ray`: the same app as Ray Serve replicas (serve/ray_app.py)."""
+    g = p.add_argument_group("Ray Serve (speculative[ray])")
+    g.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="serve through Ray "
+                   "Serve: an ingress and engine replicas on the Ray cluster at ADDRESS ('auto': the one this "
+                   "machine belongs to), or on a local one started for the command when none is given")
+    g.add_argument("--replicas", type=replica_count, default=1, help="with --ray: engine replicas, an integer or "
+                   "'auto' (autoscaled between --min-replicas and --max-replicas on ongoing requests, "
+                   "--max-batch-size per replica) (default: %(default)s)")
+    g.add_argument("--min-replicas", type=integer(1), default=1, help="with --replicas auto (default: %(default)s)")
+    g.add_argument("--max-replicas", type=integer(1), default=2, help="with --replicas auto (default: %(default)s)")
+    g.add_argument("--replica-cpus", type=integer(1), default=1, help="with --ray: CPUs each engine replica "
+                   "reserves; its torch threads are --threads, else these (default: %(default)s)")
+    g.add_argument("--print-config", action="store_true", help="with --ray: print the Serve config YAML of these "
+                   "options (for `serve deploy` or a KubeRay RayService) and exit")
+
+
+def replica_count(text: str):
+    """--replicas: an integer >= 1 or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return integer(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def check_installed() -> None:
@@ -159,6 +187,16 @@ def run_serve(args) -> int:
         raise ValueError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key, or leave the option out to serve without one")
+    ray_only = [name for name, given in (("--replicas", args.replicas != 1), ("--replica-cpus", args.replica_cpus != 1),
+                                         ("--print-config", args.print_config)) if given]
+    if args.ray is None and ray_only:
+        raise ValueError(f"{', '.join(ray_only)} apply with --ray")
+    if args.ray is not None:
+        try:
+            from .ray_app import run_ray
+        except ImportError as error:
+            raise ValueError(f"--ray needs Ray Serve ({error}): pip install 'speculative[ray]'") from None
+        return run_ray(args)
     check_address(args.host, args.port)
     import uvicorn
 

@@ -14,6 +14,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def __reduce__(self):  # pickled whole: Ray replicas send errors to the ingress (serve/ray_app.py)
+        return APIError, (self.status, self.message, self.param, self.code)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}

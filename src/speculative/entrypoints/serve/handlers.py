@@ -46,7 +46,9 @@ class Routes:
         return {"status": "ok"}
 
     async def metrics(self):
-        return Response(self.loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        gather = getattr(self.loop.metrics, "gather", None)  # on Ray: every replica's, asked for now
+        body = await gather() if gather is not None else self.loop.metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request):
         authorize(request, self.settings.api_key)
