@@ -35,6 +35,7 @@ from .ray_router import prefix_keys
 log = logging.getLogger("speculative.serve")
 
 RETRIES = 2  # sends of a call that had given no token, after the first, when its replica died
+RETRY_PAUSE = 0.25  # seconds before the first of them, twice that before the second
 PUSH_SECONDS = 0.5  # how often each replica pushes its metrics to the board
 
 
@@ -120,6 +121,7 @@ class RemoteLoop:
                 if not delivered and attempt < RETRIES:
                     log.warning("a replica was lost before answering %s (%s): sending it again", job.request_ids[0],
                                 type(lost).__name__)
+                    await asyncio.sleep(RETRY_PAUSE * (attempt + 1))  # time for the router to drop the dead one
                     continue
                 error = APIError(503, f"the replica serving this request was lost ({type(lost).__name__}): retry",
                                  code="replica_lost")
