@@ -377,3 +377,25 @@ def test_two_processes_making_the_same_preset_at_once_both_succeed_and_make_it_o
     assert runs[0].stdout == runs[1].stdout
     assert sum(run.stderr.count("converted") for run in runs) == 1  # the other waited, then took it
     assert not list(presets.cache_root().rglob("*partial*"))
+
+
+def test_two_processes_assembling_the_same_gguf_at_once_both_get_it_whole_and_assemble_once(split, tmp_path):
+    spec, root = split
+    code = f"""
+        import hashlib
+        from pathlib import Path
+        sys.path.insert(0, {str(root)!r})
+        from speculative.models import presets
+        concatenate = presets._concatenate
+        presets._concatenate = lambda *args: print("assembled", file=sys.stderr) or concatenate(*args)
+        spec = presets.ChunkedGGUF("fake-model", {spec.modules!r}, {spec.size}, {spec.sha256!r}, "fake")
+        ready()
+        out = presets.assemble(spec, Path(sys.argv[2]), progress=False)
+        print(hashlib.sha256(out.read_bytes()).hexdigest())
+    """
+    out = tmp_path / "gguf" / "fake.gguf"
+    runs = at_once(code, tmp_path, str(out))
+    assert all(run.returncode == 0 for run in runs), [run.stderr[-2000:] for run in runs]
+    assert runs[0].stdout.strip() == runs[1].stdout.strip() == spec.sha256
+    assert sum(run.stderr.count("assembled") for run in runs) == 1  # the other waited, then took it
+    assert not list(out.parent.glob("*partial*"))
