@@ -16,6 +16,7 @@ from speculative.entrypoints.batch import ModelSpec, request_hash
 from speculative.entrypoints.batch_files import OutputFile, OutputInUse
 from speculative.models.loading import ASSETS
 from tests.test_batch_job import alone, pair, read_output, records, write_jsonl  # noqa: F401
+from tests.test_cache_faults import read_only
 from tests.test_cli_errors import command, environment
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "verifier" / "config.json").is_file(),
@@ -87,6 +88,39 @@ def test_a_killed_holder_leaves_the_output_free(tmp_path):
     assert f"{written} already done" in again.stderr.decode() and "in use" not in again.stderr.decode()
     assert sorted(complete_ids(out)) == sorted(row["id"] for row in rows)  # each once, none missing
     assert not lock.exists()  # a job that ends removes its lock
+
+
+def test_sigterm_ends_a_job_with_a_line_and_whole_records_and_it_resumes(tmp_path):
+    """SIGTERM (a `kill`, a container stopping) killed a job in silence (exit -15); it now ends as on Ctrl-C."""
+    rows = records(6, max_tokens=8)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    job = ["batch", tmp_path / "in.jsonl", out, "--max-batch-size", "1", "--no-progress"]
+    process = subprocess.Popen(command(*job), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment())
+    try:
+        wait_for(lambda: len(complete_ids(out)) >= 1 if out.exists() else False, process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 143
+        assert process.stderr.read().decode().splitlines()[-1] == "terminated (SIGTERM)"
+    finally:
+        stop(process)
+    written = len(complete_ids(out))
+    assert 1 <= written < len(rows), "the job was not stopped midway"
+    assert out.read_text().endswith("\n")  # no record cut
+    again = subprocess.run(command(*job), capture_output=True, env=environment(), timeout=300)
+    assert again.returncode == 0, again.stderr.decode()
+    assert sorted(complete_ids(out)) == sorted(row["id"] for row in rows)
+
+
+def test_an_output_in_a_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", records(2, max_tokens=4))
+    with read_only(tmp_path / "ro") as folder:  # it said only errno's words, after a warning about the lock
+        done = subprocess.run(command("batch", tmp_path / "in.jsonl", folder / "out.jsonl", "--no-progress"),
+                              capture_output=True, env=environment(), timeout=300)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: OUTPUT {folder / 'out.jsonl'} cannot be written (") and \
+        err.endswith("give OUTPUT in a folder this job can write\n"), err
 
 
 def test_a_resumed_job_names_edited_and_removed_records_and_redoes_the_edited_ones(tmp_path, pair):

@@ -354,7 +354,7 @@ def test_ctrl_c_before_the_command_runs_exits_130_on_one_line(capsys, monkeypatc
 def test_help_lists_every_exit_status():
     help_text = " ".join(speculative("--help").stdout.decode().split())
     for status in ("0 done", "1 failed", "2 bad usage", "3 the port to serve on is in use", "130 interrupted",
-                   "141 stdout closed"):
+                   "143 terminated", "141 stdout closed"):
         assert status in help_text, status
 
 

@@ -238,6 +238,11 @@ class OutputFile:
         check_output(self.path)
         if not self.path.parent.is_dir():
             raise FileNotFoundError(f"OUTPUT {self.path}: the folder {self.path.parent} does not exist")
+        try:
+            open(self.path, "a").close()  # (before the lock, which could only warn that it cannot be made)
+        except OSError as error:
+            raise PermissionError(f"OUTPUT {self.path} cannot be written ({error.strerror or error}): give "
+                                  "OUTPUT in a folder this job can write") from None
         self.lock = OutputLock(self.path)
         self.file = None
         if lock:

@@ -3,8 +3,9 @@
 Every error is one line on stderr: what was wrong, which option, file or line, and what
 is allowed. Exit status 2 for bad usage (an option, file, prompt or model the command
 cannot use), 1 for a failure while running, 3 when `serve` finds its port in use (as
-uvicorn), 130 on Ctrl-C, 141 when the reader of stdout goes away (`| head`) or stdout is
-closed; a traceback only with --verbose.
+uvicorn), 130 on Ctrl-C, 143 on SIGTERM (ended as on Ctrl-C: nothing half-written), 141
+when the reader of stdout goes away (`| head`) or stdout is closed; a traceback only with
+--verbose.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import errno
 import io
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 
-FAILURE, USAGE, PORT_BUSY, INTERRUPTED, BROKEN_PIPE = 1, 2, 3, 130, 141
+FAILURE, USAGE, PORT_BUSY, INTERRUPTED, BROKEN_PIPE, TERMINATED = 1, 2, 3, 130, 141, 143
 EXIT_STATUSES = ("Exit status: 0 done, 1 failed while running, 2 bad usage, 3 the port to serve on is in use, 130 "
-                 "interrupted (Ctrl-C), 141 stdout closed (the reader of a pipe went away, as with | head).")
+                 "interrupted (Ctrl-C), 143 terminated (SIGTERM), 141 stdout closed (the reader of a pipe went away, "
+                 "as with | head).")
 # Errors that mean "the input cannot be used" rather than "something failed while running".
 USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
                 PermissionError)
@@ -94,11 +98,23 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an exception: a command then ends as on Ctrl-C (what it writes is written
+    whole: a batch job's last record, a cache entry), with a line that says so, not killed
+    mid-write in silence (`serve` handles SIGTERM itself, as a drain)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def run_command(run, args) -> int:
     """Run one command; turn whatever it raises into one line and an exit status."""
     verbose = getattr(args, "verbose", False)
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         sys.stdout = ClosedStdout()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         code = run(args)
         sys.stdout.flush()  # a reader that went away shows up here, not at interpreter exit
@@ -109,13 +125,17 @@ def run_command(run, args) -> int:
     except BusyPort as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return PORT_BUSY
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         if verbose:
             traceback.print_exc()
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED
+        terminated = isinstance(error, Terminated)
+        print("terminated (SIGTERM)" if terminated else "interrupted", file=sys.stderr)
+        return TERMINATED if terminated else INTERRUPTED
     except Exception as error:  # every error reaches the user as one line
         return failed(error, verbose)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def failed(error: Exception, verbose: bool) -> int:
