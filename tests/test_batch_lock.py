@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -181,3 +182,27 @@ def test_the_lock_is_held_until_close_and_refused_meanwhile(tmp_path):
     held.close()
     assert not (tmp_path / "out.jsonl.lock").exists()
     OutputFile(out).close()
+
+
+def test_a_disk_that_fills_leaves_whole_lines_and_says_how_to_go_on(tmp_path):
+    """A full disk cut OUTPUT's last line in half (a file-size limit stands in for the disk)."""
+    code = f"""
+import resource, signal, sys
+from speculative.entrypoints.batch_files import OutputFile
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, a write fails with EFBIG
+out = OutputFile({str(tmp_path / "out.jsonl")!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+try:
+    for i in range(100):
+        out.write({{"id": i, "text": "x" * 150}})
+except OSError as error:
+    print(error)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "out.jsonl").read_text()
+    assert text.endswith("\n") and 0 < len(text) <= 1000
+    lines = text.splitlines()
+    assert [json.loads(line)["id"] for line in lines] == list(range(len(lines)))
+    assert f"OUTPUT {tmp_path / 'out.jsonl'} cannot take another record" in done.stdout
+    assert f"the {len(lines)} it holds are whole: make room, then run the same command to go on" in done.stdout

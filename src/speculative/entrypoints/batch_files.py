@@ -255,7 +255,7 @@ class OutputFile:
             self.request_hashes: dict[Hashable, str] = {}
             if self.path.exists():
                 self._resume()
-            self.file = open(self.path, "a", encoding="utf-8")
+            self.file = open(self.path, "ab", buffering=0)
         except BaseException:
             self.lock.release()
             raise
@@ -303,12 +303,12 @@ class OutputFile:
             os.replace(handle.name, self.path)
         except BaseException:
             Path(handle.name).unlink(missing_ok=True)
-            self.file = open(self.path, "a", encoding="utf-8")
+            self.file = open(self.path, "ab", buffering=0)
             raise
         self.done -= ids
         for found in ids:
             self.answered.pop(found, None)
-        self.file = open(self.path, "a", encoding="utf-8")
+        self.file = open(self.path, "ab", buffering=0)
 
     def write(self, record: dict) -> bool:
         """Append one record unless its id is done already; False when it was. The line
@@ -317,11 +317,24 @@ class OutputFile:
             return False
         digest = self.request_hashes.get(record["id"])
         line = record if digest is None else {**record, "request_hash": digest}
-        self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
-        self.file.flush()  # the OS keeps the line if this process is killed now
+        self._append((json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8"))
         self.done.add(record["id"])
         self.answered[record["id"]] = digest
         return True
+
+    def _append(self, data: bytes) -> None:
+        """One line, whole or not at all: written unbuffered (the OS keeps it if this process is
+        killed next), cut back where a write fails (a disk full left half a line)."""
+        end = os.fstat(self.file.fileno()).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self.file.write(view):]
+        except OSError as error:
+            os.ftruncate(self.file.fileno(), end)
+            raise OSError(error.errno, f"OUTPUT {self.path} cannot take another record ({error.strerror}); the "
+                          f"{len(self.done)} it holds are whole: make room, then run the same command to go on") \
+                from None
 
     def close(self) -> None:
         try:
