@@ -188,6 +188,27 @@ def test_an_int8_cache_folder_that_cannot_be_written_keeps_the_model_in_memory_a
     assert not list(cache.iterdir())
 
 
+def test_an_int8_cache_on_a_disk_that_fills_keeps_the_model_in_memory_and_leaves_nothing(checkpoint, cache, fresh):
+    """safetensors' failed writes came as its own error, not an OSError: a traceback, and a partial folder left.
+    A file-size limit stands in for the full disk."""
+    code = f"""
+import hashlib, resource, signal, torch
+from speculative import load_model
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, a write fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+model = load_model({str(checkpoint)!r}, dtype="int8")
+with torch.inference_mode():
+    out = model.forward(torch.tensor({IDS!r}), model.new_state(1, 16))
+print(hashlib.sha256(out.numpy().tobytes()).hexdigest())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SPECULATIVE_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == hashlib.sha256(fresh.numpy().tobytes()).hexdigest()
+    assert "could not be written" in done.stderr and "in memory only" in done.stderr, done.stderr
+    assert not [path for path in (cache / "int8").iterdir() if path.suffix != ".lock"]
+
+
 READY = """
 import os, sys, time
 from pathlib import Path

@@ -240,6 +240,10 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _save(tensors: dict, file: Path) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(file))
+    try:
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(file))
+    except SafetensorError as error:  # how its failed writes (a disk full) come: as the OSError they are
+        raise OSError(f"{file.name}: {error}") from None
