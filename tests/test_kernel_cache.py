@@ -110,3 +110,18 @@ def test_a_build_killed_midway_leaves_nothing_that_loads_and_the_next_run_builds
     assert after.returncode == 0 and "compiling the int8 kernel" in after.stderr, after.stderr
     assert after.stdout == python(LOAD).stdout  # this machine's own cache
     assert not list((tmp_path / "kernels").rglob("*partial*"))
+
+
+@pytest.mark.slow  # one real build
+def test_a_cache_that_cannot_be_written_gets_a_build_for_the_process_alone_said_once(tmp_path):
+    from tests.test_cache_faults import read_only
+
+    needs_compiler()
+    (tmp_path / "tmp").mkdir()
+    with read_only(tmp_path / "kernels") as folder:  # it gave an OSError, or silently fbgemm
+        done = python(LOAD, SPECULATIVE_KERNEL_CACHE=str(folder), TMPDIR=str(tmp_path / "tmp"))
+        assert not list(folder.iterdir())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("cannot be written") == 1 and "for this process alone" in done.stderr, done.stderr
+    assert done.stdout == python(LOAD).stdout
+    assert not list((tmp_path / "tmp").iterdir())  # the build was removed once loaded

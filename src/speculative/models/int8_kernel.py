@@ -44,6 +44,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("int8_matmul.cpp", "kquant_matmul.cpp", "q32_matmul.cpp", "block_ops.cpp",
                                      "attention.cpp", "argmax_screen.cpp")]
 CHOICES = ("auto", "compiled", "fbgemm")
+PRIVATE = "speculative-kernels-"  # the temporary folder of a build where the cache cannot be written
 
 
 def kernel_choice() -> str:
@@ -86,6 +87,8 @@ def _load():
     try:
         library = _build(compiler)
         torch.ops.load_library(str(library))
+        if library.parent.name.startswith(PRIVATE):  # this process's own build, loaded: nothing left in /tmp
+            shutil.rmtree(library.parent, ignore_errors=True)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, f"{type(error).__name__}: {str(error)[-2000:]}"
     ops = torch.ops.speculative_kernels
@@ -121,9 +124,9 @@ def _build(compiler: str) -> Path:
         return library
     with disk_cache.lock(library) as unwritable:  # (removes what a killed build left)
         if unwritable:
-            private = Path(tempfile.mkdtemp(prefix="speculative-kernels-")) / library.name
+            private = Path(tempfile.mkdtemp(prefix=PRIVATE)) / library.name
             disk_cache.say_once(f"the kernel cache {library.parent} cannot be written ({unwritable.strerror}): "
-                                f"compiling into {private.parent}, again at every start; set "
+                                "compiling it for this process alone, again at every start; set "
                                 "SPECULATIVE_KERNEL_CACHE to a writable folder to keep it")
             _compile(compiler, timeout, private)
             return private
