@@ -149,18 +149,19 @@ def _compile(compiler: str, timeout: float, library: Path) -> None:
     partial = disk_cache.partial(library)
     torch_lib = Path(torch.__file__).parent / "lib"
     command = [compiler, *_flags(), *map(str, SOURCES), "-o", str(partial), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
-    disk_cache.say(f"compiling the int8 kernel (once, about a minute; cached in {library.parent})")
+    cached = "" if library.parent.name.startswith(PRIVATE) else f"; once: cached in {library.parent}"
+    disk_cache.say(f"compiling the int8 kernel (about a minute{cached})")
+    written = disk_cache.partial(library)
     try:
         done = _run(command, timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command[:2])} ... failed:\n{done.stderr}")
-        recorded = library.with_suffix(".sha256")
-        written = disk_cache.partial(library)
         written.write_text(file_sha256(partial) + "\n")
         os.replace(partial, library)
-        os.replace(written, recorded)  # after the library: a kill between leaves it unrecorded, so rebuilt
+        os.replace(written, library.with_suffix(".sha256"))  # after the library: a kill between leaves it rebuilt
     except BaseException:  # a failure, a timeout, a disk full or Ctrl-C: nothing half-written is left
         partial.unlink(missing_ok=True)
+        written.unlink(missing_ok=True)
         raise
 
 
