@@ -330,7 +330,7 @@ def server_probes(tmp: Path) -> None:
         http(server, 'chat, "role": "tool"', "/v1/chat/completions",
              {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400)
         http(server, 'chat, "messages": []', "/v1/chat/completions", {**chat, "messages": []}, 400)
-        http(server, '"logprobs": 1', "/v1/completions", {**base, "logprobs": 1}, 400)
+        http(server, '"logprobs": 21 (at most 20)', "/v1/completions", {**base, "logprobs": 21}, 400)
         http(server, "no Authorization header (--api-key set)", "/v1/completions", base, 401, key=None)
         http(server, "a wrong API key", "/v1/completions", base, 401, key="sk-wrong")
         http(server, '"stop_token_ids": [1000000000]', "/v1/completions", {**base, "stop_token_ids": [10 ** 9]},
