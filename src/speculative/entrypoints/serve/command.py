@@ -74,6 +74,10 @@ def add_ray_options(p) -> None:
     g.add_argument("--max-replicas", type=integer(1), default=2, help="with --replicas auto (default: %(default)s)")
     g.add_argument("--replica-cpus", type=integer(1), default=1, help="with --ray: CPUs each engine replica "
                    "reserves; its torch threads are --threads, else these (default: %(default)s)")
+    g.add_argument("--router", choices=("prefix", "serve"), default="prefix", help="with --ray: how requests "
+                   "choose an engine replica: 'prefix' (ours: a long shared prompt prefix goes where it went "
+                   "before, while load allows) or 'serve' (Serve's default: the less busy of two at random) "
+                   "(default: %(default)s)")
     g.add_argument("--print-config", action="store_true", help="with --ray: print the Serve config YAML of these "
                    "options (for `serve deploy` or a KubeRay RayService) and exit")
 
@@ -188,7 +192,8 @@ def run_serve(args) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key, or leave the option out to serve without one")
     ray_only = [name for name, given in (("--replicas", args.replicas != 1), ("--replica-cpus", args.replica_cpus != 1),
-                                         ("--print-config", args.print_config)) if given]
+                                         ("--router", args.router != "prefix"), ("--print-config", args.print_config))
+                if given]
     if args.ray is None and ray_only:
         raise ValueError(f"{', '.join(ray_only)} apply with --ray")
     if args.ray is not None:

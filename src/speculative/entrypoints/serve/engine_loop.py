@@ -69,6 +69,8 @@ class Event:
     logprobs: list | None = None
     # With prompt logprobs, on a request's first output: one per prompt token (None first).
     prompt_logprobs: list | None = None
+    # On Ray, with the last output: the engine replica that served it (shown in `speculative`).
+    replica: str = ""
 
 
 @dataclass(eq=False)

@@ -4,7 +4,8 @@ Three deployments, one application (`build_app`, the builder a Serve config name
 - EngineReplica: one engine per replica (models loaded from the EngineArgs, as `batch
   --ray`'s actors do), its EngineLoop, answering `Call`s as streams of Events. Replicas
   are `--replicas N`, or autoscaled on ongoing requests (`--replicas auto`). Routed by
-  `ray_router.PrefixRouter`, so a conversation's turns meet the caches that hold it.
+  `ray_router.PrefixRouter`, so a conversation's turns meet the caches that hold it (or by
+  Serve's default router, the less busy of two at random: `--router serve`, for comparison).
 - Ingress: the FastAPI app of `app.create_app` behind `@serve.ingress`, over a RemoteLoop
   (ray_remote): every route, check, error and header is the plain server's. It holds no
   model: the tokenizer and the limits come from an engine replica. Two hops, not one,
@@ -47,7 +48,8 @@ SERVER = {"model_name": "default", "api_key": None, "max_body_bytes": 1 << 20, "
           "chat_template": None, "shutdown_grace": 30.0, "access_log": True}
 # Scale: --replicas (an integer, or "auto" between min and max), CPUs (torch threads) per replica,
 # and Serve autoscaling fields that replace ours (tests shorten the delays).
-SCALE = {"replicas": 1, "min_replicas": 1, "max_replicas": 2, "replica_cpus": 1, "autoscaling": {}}
+SCALE = {"replicas": 1, "min_replicas": 1, "max_replicas": 2, "replica_cpus": 1, "autoscaling": {}, "router": "prefix"}
+ROUTERS = ("prefix", "serve")  # ours (ray_router), or Serve's default (power of two choices)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -104,7 +106,7 @@ class EngineReplica:
         try:
             while left:
                 event = await events.get()
-                yield event
+                yield replace(event, replica=self.replica) if event.finish_reason is not None else event
                 if event.kind == "error" and not admitted:
                     left.clear()
                 admitted = admitted or event.kind == "admitted"
@@ -170,6 +172,8 @@ def build_app(args: dict):
     if server["max_queued"] is None:
         server["max_queued"] = 8 * engine_args.max_batch_size  # command.QUEUED_PER_ROW, as the plain server
     scale = {**SCALE, **args.get("scale", {})}
+    if scale["router"] not in ROUTERS:
+        raise ValueError(f"router {scale['router']!r}: allowed {', '.join(ROUTERS)}")
     engine_args.threads = engine_args.threads or scale["replica_cpus"]  # torch threads: the CPUs reserved
     board = MetricsBoard.bind()
     engine = EngineReplica.options(**engine_options(engine_args, server, scale)).bind(
@@ -192,9 +196,10 @@ def engine_options(engine_args: EngineArgs, server: dict, scale: dict) -> dict:
     options = {"ray_actor_options": {"num_cpus": scale["replica_cpus"]},
                "max_ongoing_requests": engine_args.max_batch_size + server["max_queued"],
                "max_queued_requests": max(1, server["max_queued"]),
-               "graceful_shutdown_timeout_s": server["shutdown_grace"],
-               "request_router_config": {"request_router_class": PrefixRouter,
-                                         "request_router_kwargs": {"imbalance": engine_args.max_batch_size}}}
+               "graceful_shutdown_timeout_s": server["shutdown_grace"]}
+    if scale.get("router", "prefix") == "prefix":  # otherwise Serve's default router
+        options["request_router_config"] = {"request_router_class": PrefixRouter,
+                                            "request_router_kwargs": {"imbalance": engine_args.max_batch_size}}
     if scale["replicas"] == "auto":
         options["autoscaling_config"] = {"min_replicas": scale["min_replicas"], "max_replicas": scale["max_replicas"],
                                          "target_ongoing_requests": engine_args.max_batch_size,
@@ -214,7 +219,7 @@ def app_args(args) -> dict:
               "max_body_bytes": args.max_body_bytes, "max_queued": args.max_queued, "chat_template": template,
               "shutdown_grace": args.shutdown_grace, "access_log": not args.no_access_log}
     scale = {"replicas": args.replicas, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
-             "replica_cpus": args.replica_cpus}
+             "replica_cpus": args.replica_cpus, "router": args.router}
     if args.replicas == "auto" and not 1 <= args.min_replicas <= args.max_replicas:
         raise ValueError(f"--min-replicas {args.min_replicas} and --max-replicas {args.max_replicas}: allowed "
                          "1 <= --min-replicas <= --max-replicas")
@@ -271,4 +276,4 @@ def banner(built: dict, args) -> str:
     size = (f"{scale['min_replicas']}..{scale['max_replicas']} replicas (autoscaled)" if scale["replicas"] == "auto"
             else f"{scale['replicas']} replicas")
     return (f"serving {built['server']['model_name']} on http://{args.host}:{args.port} through Ray Serve: {size} "
-            f"of {scale['replica_cpus']} CPU each")
+            f"of {scale['replica_cpus']} CPU each, routed by {scale['router']}")

@@ -32,6 +32,7 @@ class Reply:
         self.finish: list[str | None] = [None] * count
         self.prompt_tokens = [0] * count
         self.stats = [RequestStats() for _ in range(count)]
+        self.replica = ""  # on Ray: the engine replica that served the request (one call, one replica)
         # With `echo`: each choice's prompt text and tokens (whose logprobs come with its first output).
         self.echoes, self.prompts = echoes, prompts
         self.echoed = [False] * count
@@ -58,6 +59,7 @@ class Reply:
             self.finish[i] = event.finish_reason
             self.prompt_tokens[i] = event.prompt_tokens
             self.stats[i] = event.stats or RequestStats()
+            self.replica = event.replica or self.replica
 
     def usage(self) -> dict:
         # Each prompt counts once, however many choices it has (as OpenAI counts `n`).
@@ -68,9 +70,10 @@ class Reply:
         """The speculative extension: what was drafted and kept for these requests."""
         drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
         forwards = sum(s.target_forwards for s in stats)
-        return {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "mean_acceptance_length": 1 + accepted / forwards if forwards else 0.0,
-                "target_forwards": forwards}
+        figures = {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
+                   "mean_acceptance_length": 1 + accepted / forwards if forwards else 0.0,
+                   "target_forwards": forwards}
+        return {**figures, "replica": self.replica} if self.replica else figures
 
     def _logprobs(self, i: int, entries: list[tuple]) -> dict | None:
         """Choice i's logprobs object for these (token, logprob) entries (None: not asked for)."""
