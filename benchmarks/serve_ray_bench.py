@@ -7,7 +7,13 @@ single-process server on `--threads 1`, Ray with 1 replica x 1 CPU, Ray with 2 r
 runs. Greedy outputs are compared token for token with the single-process server's. Ratios
 that the issue sets goals for: 2 replicas over 1 replica, and 1 replica over one process.
 
+`--speculation`: speculative over plain decoding (the shipped draft against `--draft none`)
+in one process and through Ray (1 replica x 1 CPU): four servers up together, each round
+drives all four in turn (order rotated by round), and each ratio is the median over rounds
+of same-round ratios; the goal is Ray's ratio >= 0.9x the process's.
+
     python benchmarks/serve_ray_bench.py --requests 32 --clients 8 --max-tokens 64 --runs 3
+    python benchmarks/serve_ray_bench.py --speculation --requests 32 --clients 8 --max-tokens 64 --runs 3
 """
 
 from __future__ import annotations
@@ -29,14 +35,45 @@ PROMPTS = ["def add(a, b):", "import os\nimport sys\n\n\ndef main(argv):", "for 
            "    def __repr__(self):\n        return", 'def read_lines(path):\n    """Return the lines of a file."""']
 
 
-def server(kind: str) -> ServerProcess:
+def server(kind: str, draft: list[str] = ()) -> ServerProcess:
     if kind == "process":
-        return ServerProcess.ours(["--max-batch-size", "8"], threads=1)
+        return ServerProcess.ours(["--max-batch-size", "8", *draft], threads=1)
     port = free_port()
     replicas = "2" if kind == "ray-2x1" else "1"
     return ServerProcess([sys.executable, "-m", "speculative.entrypoints.cli", "serve", "--ray", "--port", str(port),
-                          "--replicas", replicas, "--replica-cpus", "1", "--max-batch-size", "8"], port,
-                         {"OMP_NUM_THREADS": "1"})
+                          "--replicas", replicas, "--replica-cpus", "1", "--max-batch-size", "8", "--no-access-log",
+                          *draft], port, {"OMP_NUM_THREADS": "1"})
+
+
+def speculation(prompts: list[str], clients: int, max_tokens: int, runs: int) -> dict:
+    """Speculative over plain, in one process and through Ray; see the module docstring."""
+    names = [(kind, draft) for kind in ("process", "ray-1x1") for draft in ("speculative", "plain")]
+    servers = {n: server(n[0], ["--draft", "none"] if n[1] == "plain" else []) for n in names}
+    rounds = []
+    try:
+        for s in servers.values():
+            s.wait(900)
+        for s in servers.values():  # warm-up
+            asyncio.run(drive(s.url, "default", prompts[:clients], clients, max_tokens))
+        for run in range(runs):
+            got = {}
+            for n in names[run % 4:] + names[:run % 4]:
+                got[n] = asyncio.run(drive(servers[n].url, "default", prompts, clients, max_tokens))
+            rounds.append(got)
+            print(f"round {run + 1}: " + ", ".join(f"{k}/{d} {r['tokens_per_second']:.1f} tok/s"
+                                                   for (k, d), r in got.items()), flush=True)
+    finally:
+        for s in servers.values():
+            s.close()
+    ratio = {kind: [r[(kind, "speculative")]["tokens_per_second"] / r[(kind, "plain")]["tokens_per_second"]
+                    for r in rounds] for kind in ("process", "ray-1x1")}
+    same = all(r[n]["outputs"] == r[names[0]]["outputs"] for r in rounds for n in names)
+    return {"speedup": {k: statistics.median(v) for k, v in ratio.items()}, "speedup_runs": ratio,
+            "ray_speedup_over_process_speedup": statistics.median(
+                ray / process for ray, process in zip(ratio["ray-1x1"], ratio["process"])),
+            "identical_greedy_outputs": same,
+            "servers": {f"{k}/{d}": {key: statistics.median(r[(k, d)][key] for r in rounds)
+                                     for key in ("tokens_per_second", "ttft_p50", "itl_p50")} for k, d in names}}
 
 
 def measure(kind: str, prompts: list[str], clients: int, max_tokens: int, runs: int) -> dict:
@@ -58,8 +95,17 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--speculation", action="store_true", help="speculative over plain, process and Ray")
     args = parser.parse_args()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]}  # {i}" for i in range(args.requests)]
+    if args.speculation:
+        report = {"cpu": platform.processor() or platform.machine(), "clients": args.clients,
+                  "requests": args.requests, "max_tokens": args.max_tokens, "runs": args.runs,
+                  **speculation(prompts, args.clients, args.max_tokens, args.runs)}
+        print(f"speculative / plain: one process {report['speedup']['process']:.2f}x, Ray 1 replica "
+              f"{report['speedup']['ray-1x1']:.2f}x; Ray's over the process's "
+              f"{report['ray_speedup_over_process_speedup']:.2f}x")
+        return print(json.dumps(report))
     report = {kind: measure(kind, prompts, args.clients, args.max_tokens, args.runs)
               for kind in ("process", "ray-1x1", "ray-2x1")}
     reference = report["process"]["outputs"]
