@@ -88,6 +88,14 @@ def test_router_switch():
     assert out.returncode == 0 and yaml.safe_load(out.stdout)["applications"][0]["args"]["scale"]["router"] == "serve"
 
 
+def test_plain_decoding_config():
+    """--draft none's args survive the trip to the replicas (validated again there)."""
+    out = subprocess.run(CLI + ["--ray", "--draft", "none", "--print-config"], capture_output=True, text=True,
+                         env=ENV, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["applications"][0]["args"]["engine"]["draft"] == "none"
+
+
 def test_options_that_need_ray_are_refused():
     out = subprocess.run(CLI + ["--replicas", "2"], capture_output=True, text=True, env=ENV, timeout=TIMEOUT)
     assert out.returncode == 2 and "--replicas apply with --ray" in out.stderr

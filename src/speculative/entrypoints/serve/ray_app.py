@@ -167,22 +167,24 @@ def build_app(args: dict):
     unknown = set(args) - {"engine", "server", "scale"}
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}: allowed engine, server, scale")
-    engine_args = EngineArgs(**args.get("engine", {})).validate()
+    given = EngineArgs(**args.get("engine", {}))
+    engine_args = given.validate()
     server = {**SERVER, **args.get("server", {})}
     if server["max_queued"] is None:
         server["max_queued"] = 8 * engine_args.max_batch_size  # command.QUEUED_PER_ROW, as the plain server
     scale = {**SCALE, **args.get("scale", {})}
     if scale["router"] not in ROUTERS:
         raise ValueError(f"router {scale['router']!r}: allowed {', '.join(ROUTERS)}")
-    engine_args.threads = engine_args.threads or scale["replica_cpus"]  # torch threads: the CPUs reserved
+    given.threads = given.threads or scale["replica_cpus"]  # torch threads: the CPUs reserved
     board = MetricsBoard.bind()
-    engine = EngineReplica.options(**engine_options(engine_args, server, scale)).bind(
-        plain(engine_args), server, board)
+    engine = EngineReplica.options(**engine_options(engine_args, server, scale)).bind(plain(given), server, board)
     return Ingress.options(graceful_shutdown_timeout_s=server["shutdown_grace"] + 5).bind(engine, board, server)
 
 
 def plain(engine_args: EngineArgs) -> dict:
-    """EngineArgs as plain names and numbers (a YAML file's args)."""
+    """EngineArgs as plain names and numbers (a YAML file's args). Give it the options as given,
+    not validate()'s copy: what validate() fills in (K, n-gram sizes) it refuses with some
+    drafts (--draft none), so a validated copy would not validate again on the replicas."""
     return {k: v for k, v in asdict(engine_args).items() if k != "checked"}
 
 
@@ -213,7 +215,9 @@ def app_args(args) -> dict:
     """The builder's args from the command line (options checked)."""
     from .command import read_template
 
-    engine = plain(EngineArgs.from_args(args).validate())
+    given = EngineArgs.from_args(args)
+    given.validate()
+    engine = plain(given)
     template = None if args.chat_template is None else read_template("--chat-template", args.chat_template)
     server = {"model_name": args.served_model_name or args.target, "api_key": args.api_key,
               "max_body_bytes": args.max_body_bytes, "max_queued": args.max_queued, "chat_template": template,

@@ -1,8 +1,10 @@
 """Prefix-aware routing for `serve --ray`: requests that share a long prompt prefix go to
 the replica that served it last, while load allows.
 
-A replica's caches (the suffix cache, prompt lookup's n-grams) hold what it has read, so a
-conversation's next turn drafts better where its earlier turns ran. The ingress cuts each
+The one cache a replica keeps between requests is `--draft suffix`'s suffix cache (prompt
+lookup's n-grams and the KV caches are per request), so with it a conversation's next turn
+or a re-sent document can draft from what that replica generated before; with other drafts
+routing changes nothing measurable (benchmarks/serve_ray_routing.py). The ingress cuts each
 prompt's leading tokens into blocks of BLOCK_TOKENS and hashes them as a chain (block i's
 key covers blocks 0..i, as vLLM's prefix-cache keys do); the router keeps, per key, the
 replica a request holding it went to (LRU, at most `max_keys`), and sends a request to the
