@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import ServerProcess, drive, free_port  # noqa: E402
+from serve_ray_routing import cpu_name  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "import os\nimport sys\n\n\ndef main(argv):", "for i in range(10):\n    if i % 2 == 0:",
            "class Stack:\n    def __init__(self):\n        self.items = []", "def fib(n):\n    if n < 2:",
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]}  # {i}" for i in range(args.requests)]
     if args.speculation:
-        report = {"cpu": platform.processor() or platform.machine(), "clients": args.clients,
+        report = {"cpu": cpu_name(), "clients": args.clients,
                   "requests": args.requests, "max_tokens": args.max_tokens, "runs": args.runs,
                   **speculation(prompts, args.clients, args.max_tokens, args.runs)}
         print(f"speculative / plain: one process {report['speedup']['process']:.2f}x, Ray 1 replica "
@@ -110,7 +110,7 @@ def main() -> None:
               for kind in ("process", "ray-1x1", "ray-2x1")}
     reference = report["process"]["outputs"]
     same = {kind: report[kind].pop("outputs") == reference for kind in report}
-    summary = {"cpu": platform.processor() or platform.machine(), "clients": args.clients,
+    summary = {"cpu": cpu_name(), "clients": args.clients,
                "requests": args.requests, "max_tokens": args.max_tokens, "identical_greedy_outputs": same,
                "two_replicas_over_one": report["ray-2x1"]["requests_per_second"]
                / report["ray-1x1"]["requests_per_second"],

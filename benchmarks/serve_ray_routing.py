@@ -9,7 +9,9 @@ another, greedy, streaming):
   its answer and a new comment line asking for the next function.
 - edit: 8 documents x 5 versions; each version changes the same line near the module's
   end again, and asks for the same continuation after it (a document edited and re-sent).
-Text differs from round to round (other names), so no round drafts from an earlier one.
+Text differs from round to round (other names); a suffix cache still holds what earlier
+rounds generated, on both servers alike. `--sequential`: the 8 run one after another (one
+request in flight), where Serve's router sees equal queues and chooses at random.
 
 Per request the reply's `speculative` object gives the replica that served it and what was
 drafted and kept. Reported, medians over rounds: the share of requests (after each
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -103,7 +106,8 @@ async def request(api, prompt: str, max_tokens: int) -> dict:
             "forwards": figures.get("target_forwards", 0)}
 
 
-async def run_workload(url: str, kind: str, round_: int, clients: int, steps: int, max_tokens: int) -> dict:
+async def run_workload(url: str, kind: str, round_: int, clients: int, steps: int, max_tokens: int,
+                       sequential: bool = False) -> dict:
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
 
     async def one(c: int) -> list[dict]:
@@ -119,7 +123,10 @@ async def run_workload(url: str, kind: str, round_: int, clients: int, steps: in
         return records
 
     start = time.perf_counter()
-    chains = await asyncio.gather(*(one(c) for c in range(clients)))
+    if sequential:
+        chains = [await one(c) for c in range(clients)]
+    else:
+        chains = await asyncio.gather(*(one(c) for c in range(clients)))
     span = time.perf_counter() - start
     await api.close()
     return summarize(chains, span)
@@ -136,7 +143,22 @@ def summarize(chains: list[list[dict]], span: float) -> dict:
             "prompt_tokens_read": sum(r["prompt_tokens"] for r in flat), "prompt_tokens_reused": 0,
             "ttft_p50": percentile([r["ttft"] for r in flat], 50), "ttft_p50_later_turns": percentile(later, 50),
             "tokens_per_second": sum(r["tokens"] for r in flat) / span,
-            "replicas_used": len({r["replica"] for r in flat}), "texts": [r["text"] for r in flat]}
+            "replicas_used": len({r["replica"] for r in flat}), "busiest_replica_share": max(
+                sum(r["replica"] == x for r in flat) for x in {r["replica"] for r in flat}) / len(flat),
+            "texts": [r["text"] for r in flat]}
+
+
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it (family and model: a Zen 3 is 25/1), and its widest vectors."""
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        flags = info.get("flags", "").split()
+        widest = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+        return f"{info['model name']} (family {info['cpu family']} model {info['model']}, {widest})"
+    except (OSError, KeyError, ValueError):
+        return platform.processor() or platform.machine()
 
 
 def server(router: str, draft: str) -> ServerProcess:
@@ -147,7 +169,7 @@ def server(router: str, draft: str) -> ServerProcess:
 
 
 KEYS = ("same_replica_as_previous", "acceptance_rate", "mean_acceptance_length", "prompt_tokens_read",
-        "ttft_p50", "ttft_p50_later_turns", "tokens_per_second", "replicas_used")
+        "ttft_p50", "ttft_p50_later_turns", "tokens_per_second", "replicas_used", "busiest_replica_share")
 
 
 def compare(draft: str, args, log=print) -> dict:
@@ -165,7 +187,7 @@ def compare(draft: str, args, log=print) -> dict:
                 got = {}
                 for router in order:
                     got[router] = asyncio.run(run_workload(servers[router].url, kind, round_, args.clients,
-                                                           args.steps, args.max_tokens))
+                                                           args.steps, args.max_tokens, args.sequential))
                     rounds[f"{kind}/{router}"].append(got[router])
                     log(f"  {draft} round {round_ + 1} {kind} {router}: " + ", ".join(
                         f"{k} {got[router][k]:.3g}" for k in KEYS))
@@ -186,10 +208,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--drafts", nargs="+", default=["default-draft+ngram", "suffix"])
     parser.add_argument("--workloads", nargs="+", default=["conversation", "edit"])
+    parser.add_argument("--sequential", action="store_true", help="one conversation or document at a time")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args()
-    report = {"cpu": platform.processor() or platform.machine(), "rounds": args.rounds, "clients": args.clients,
+    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "rounds": args.rounds, "clients": args.clients,
               "steps": args.steps, "max_tokens": args.max_tokens, "replicas": 2,
+              "sequential": args.sequential,
               "drafts": [compare(draft, args) for draft in args.drafts]}
     for entry in report["drafts"]:
         for name, row in entry["results"].items():
