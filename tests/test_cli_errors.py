@@ -317,6 +317,7 @@ def test_the_headline_command_needs_only_core_dependencies(tmp_path):
     and every distribution it imports is a core dependency (or one of theirs)."""
     script = textwrap.dedent("""
         import importlib.metadata as metadata, json, sys
+        import torch  # (what torch imports of its own accord is torch's: dill, where datasets brought it)
         before = set(sys.modules)
         from speculative.entrypoints.cli import main
         code = main(["generate", "--max-new-tokens", "4"])
